@@ -1,0 +1,60 @@
+"""Write a generated Llama/Mixtral-shaped model as a Hugging Face folder.
+
+The folder is what every engine loads: transformers (learner, reference),
+vLLM (rollout) and the HF->Megatron converter. Weights are deterministic in
+the seed so two machines that run `rlserve make-model` get the same model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
+
+from rlserve.models.presets import ModelPreset
+from rlserve.models.tokenizer import BOS, EOS, PAD, save_tokenizer, token_id, vocab_size
+
+
+def hf_config(preset: ModelPreset) -> PretrainedConfig:
+    common = dict(
+        vocab_size=max(vocab_size(), preset.padded_vocab_size),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.ffn_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=preset.rope_theta,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        bos_token_id=token_id(BOS),
+        eos_token_id=token_id(EOS),
+        pad_token_id=token_id(PAD),
+        torch_dtype="float32",
+    )
+    if preset.architecture == "llama":
+        return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if preset.architecture == "mixtral":
+        return MixtralConfig(
+            **common, num_local_experts=preset.num_experts, num_experts_per_tok=preset.experts_per_token
+        )
+    raise ValueError(f"unknown architecture {preset.architecture!r}; valid: llama, mixtral")
+
+
+def make_model(preset: ModelPreset, out_dir: Path, seed: int = 0) -> Path:
+    """Create the model with seeded random init and save it (safetensors) with its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(preset)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    save_tokenizer(out_dir, model_max_length=preset.max_position_embeddings)
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+                  "pad_token_id": config.pad_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out_dir / "rlserve_preset.json").write_text(json.dumps({"preset": preset.name, "seed": seed}) + "\n")
+    return out_dir

@@ -1,0 +1,48 @@
+"""Model shapes that the project generates itself (no downloads at run time).
+
+`tiny` is the demo/test model (the 2-core recipe in DESIGN.md, with 32-wide
+heads because vLLM's CPU attention supports head sizes that are multiples of
+32 from 32 up), `small` is for CPU benchmarks, `1b` for GPU benchmarks, and
+`moe-tiny` exercises the Mixtral-shaped MoE path of the Megatron backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    architecture: str  # "llama" or "mixtral"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Vocab padded above the tokenizer's size (unused rows), to give large
+    # presets a realistic output-layer cost. 0 means "the tokenizer's size".
+    padded_vocab_size: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    rope_theta: float = 10000.0
+
+
+PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset("tiny", "llama", 192, 2, 6, 2, 768, 256, True),
+        ModelPreset("small", "llama", 512, 8, 8, 4, 1536, 512, False, padded_vocab_size=4096),
+        ModelPreset("1b", "llama", 2048, 16, 16, 8, 5632, 4096, False, padded_vocab_size=32000),
+        ModelPreset("moe-tiny", "mixtral", 128, 2, 4, 2, 256, 256, False, num_experts=4, experts_per_token=2),
+    )
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}") from None

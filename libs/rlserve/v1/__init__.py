@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs of protos/rlserve/v1 (make protos)."""

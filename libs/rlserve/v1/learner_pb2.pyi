@@ -1,0 +1,138 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOSS_KIND_UNSPECIFIED: _ClassVar[LossKind]
+    LOSS_KIND_GRPO: _ClassVar[LossKind]
+    LOSS_KIND_SFT: _ClassVar[LossKind]
+LOSS_KIND_UNSPECIFIED: LossKind
+LOSS_KIND_GRPO: LossKind
+LOSS_KIND_SFT: LossKind
+
+class ConfigureRequest(_message.Message):
+    __slots__ = ("run_id", "spec_yaml", "init_model_path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    INIT_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec_yaml: str
+    init_model_path: str
+    def __init__(self, run_id: _Optional[str] = ..., spec_yaml: _Optional[str] = ..., init_model_path: _Optional[str] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ("backend", "world_size", "parallel_layout", "num_parameters", "weight_version", "device")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    world_size: int
+    parallel_layout: str
+    num_parameters: int
+    weight_version: int
+    device: str
+    def __init__(self, backend: _Optional[str] = ..., world_size: _Optional[int] = ..., parallel_layout: _Optional[str] = ..., num_parameters: _Optional[int] = ..., weight_version: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class TrainSequence(_message.Message):
+    __slots__ = ("token_ids", "prompt_length", "advantage", "generator_logprobs", "reference_logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_length: int
+    advantage: float
+    generator_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., advantage: _Optional[float] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("run_id", "loss", "sequences", "learning_rate")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    loss: LossKind
+    sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
+    learning_rate: float
+    def __init__(self, run_id: _Optional[str] = ..., loss: _Optional[_Union[LossKind, str]] = ..., sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("weight_version", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, weight_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ExportWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "store_name")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_NAME_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    store_name: str
+    def __init__(self, run_id: _Optional[str] = ..., store_name: _Optional[str] = ...) -> None: ...
+
+class ExportWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "num_buckets", "num_tensors", "num_bytes", "seconds")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    num_buckets: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    def __init__(self, weight_version: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "path", "hf_path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HF_PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    hf_path: str
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ..., hf_path: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("path", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    weight_version: int
+    def __init__(self, path: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "path")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    path: str
+    def __init__(self, run_id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    def __init__(self, weight_version: _Optional[int] = ...) -> None: ...

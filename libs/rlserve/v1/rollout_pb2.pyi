@@ -1,0 +1,112 @@
+from rlserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Prompt(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _common_pb2.TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    num_samples: int
+    sampling: _common_pb2.SamplingParams
+    min_weight_version: int
+    run_id: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: _common_pb2.FinishReason
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("prompt_token_ids", "samples")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("completions", "weight_version", "replica_id")
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    weight_version: int
+    replica_id: str
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "store_name", "safetensors_path", "force")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SAFETENSORS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    store_name: str
+    safetensors_path: str
+    force: bool
+    def __init__(self, version: _Optional[int] = ..., store_name: _Optional[str] = ..., safetensors_path: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "num_tensors", "num_bytes", "fetch_seconds", "apply_seconds", "replica_id")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    num_tensors: int
+    num_bytes: int
+    fetch_seconds: float
+    apply_seconds: float
+    replica_id: str
+    def __init__(self, weight_version: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., fetch_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    engine: str
+    weight_version: int
+    max_model_len: int
+    vocab_size: int
+    replica_id: str
+    architecture_fingerprint: str
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
