@@ -1,0 +1,348 @@
+"""The run spec: one YAML document that says everything about a GRPO run.
+
+Key names follow NeMo-RL's config (`policy.*`, `grpo.*`, `loss_fn.*`,
+`data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home.
+Every default lives here, on the classes; call sites read fields and never
+pass their own fallbacks. Unknown keys are errors (see `rlserve.config.errors`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from rlserve.data.tasks import TASKS
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AdamWKwargs(Section):
+    lr: float = Field(1e-4, gt=0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class OptimizerCfg(Section):
+    name: Literal["torch.optim.AdamW"] = "torch.optim.AdamW"
+    kwargs: AdamWKwargs = AdamWKwargs()
+
+
+class SchedulerCfg(Section):
+    warmup_steps: int = Field(0, ge=0)
+    # "constant" after warm-up, or cosine decay to min_lr_ratio * lr at grpo.max_num_steps.
+    decay: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class DTensorCfg(Section):
+    enabled: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+
+class MegatronCfg(Section):
+    """Megatron-Core settings. Keys beyond these are forwarded to Megatron's
+    TransformerConfig/DDP/optimizer configs and checked by the backend."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    enabled: bool = False
+    tensor_model_parallel_size: int | None = Field(None, ge=1)
+    pipeline_model_parallel_size: int | None = Field(None, ge=1)
+    context_parallel_size: int | None = Field(None, ge=1)
+    expert_model_parallel_size: int | None = Field(None, ge=1)
+    expert_tensor_parallel_size: int | None = Field(None, ge=1)
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    use_distributed_optimizer: bool = True
+    # "auto": Transformer Engine spec when transformer_engine imports, else local.
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+
+    def passthrough(self) -> dict[str, Any]:
+        """Keys the user gave that are not fields of this class (forwarded to Megatron)."""
+        return dict(self.model_extra or {})
+
+
+class VllmCfg(Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    max_model_len: int = Field(256, ge=8)
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    enforce_eager: bool = True
+
+
+class GenerationCfg(Section):
+    backend: Literal["vllm", "transformers"] = "vllm"
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(16, ge=1)
+    stop_strings: list[str] = []
+    stop_token_ids: list[int] = []
+    vllm_cfg: VllmCfg = VllmCfg()
+
+
+class SequencePackingCfg(Section):
+    enabled: bool = False
+    # Token budget of one packed micro-batch.
+    train_mb_tokens: int = Field(2048, ge=16)
+    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
+
+
+class PolicyCfg(Section):
+    # An HF folder, or "preset:NAME" (a generated model, see `rlserve make-model`).
+    model_name: str = "preset:tiny"
+    model_seed: int = 0
+    precision: Literal["float32", "bfloat16"] = "float32"
+    # Sequences per optimizer step; None: the whole GRPO batch in one step.
+    train_global_batch_size: int | None = Field(None, ge=1)
+    train_micro_batch_size: int = Field(64, ge=1)
+    max_total_sequence_length: int = Field(128, ge=8)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    refit_buffer_size_mb: int = Field(64, ge=1)
+    optimizer: OptimizerCfg = OptimizerCfg()
+    scheduler: SchedulerCfg = SchedulerCfg()
+    dtensor_cfg: DTensorCfg = DTensorCfg()
+    megatron_cfg: MegatronCfg = MegatronCfg()
+    generation: GenerationCfg = GenerationCfg()
+    sequence_packing: SequencePackingCfg = SequencePackingCfg()
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        from rlserve.models.presets import PRESETS
+
+        if v.startswith("preset:") and v.removeprefix("preset:") not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; valid: {', '.join('preset:' + p for p in PRESETS)}")
+        if not v:
+            raise ValueError("must name an HF folder or preset:NAME")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_implies_no_dtensor(cls, data: Any) -> Any:
+        """`megatron_cfg.enabled: true` alone switches backends (dtensor is the default)."""
+        if isinstance(data, dict):
+            mcfg, dcfg = data.get("megatron_cfg"), data.get("dtensor_cfg")
+            if isinstance(mcfg, dict) and mcfg.get("enabled") is True and (
+                    dcfg is None or isinstance(dcfg, dict) and "enabled" not in dcfg):
+                data = {**data, "dtensor_cfg": {**(dcfg or {}), "enabled": False}}
+        return data
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> PolicyCfg:
+        if self.megatron_cfg.enabled == self.dtensor_cfg.enabled:
+            if self.megatron_cfg.enabled:
+                raise ValueError("policy.megatron_cfg.enabled: policy.dtensor_cfg.enabled is true as well; "
+                                 "enable exactly one learner backend")
+            raise ValueError("policy.dtensor_cfg.enabled: no learner backend is enabled; set "
+                             "policy.dtensor_cfg.enabled or policy.megatron_cfg.enabled")
+        return self
+
+    @property
+    def backend(self) -> str:
+        return "megatron" if self.megatron_cfg.enabled else "dtensor"
+
+
+class AsyncGrpoCfg(Section):
+    enabled: bool = False
+    # How many weight versions a trajectory may lag the learner (0: on-policy).
+    max_trajectory_age_steps: int = Field(1, ge=0, le=64)
+
+
+class GrpoCfg(Section):
+    num_prompts_per_step: int = Field(32, ge=1)
+    num_generations_per_prompt: int = Field(8, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
+    skip_zero_advantage_groups: bool = True
+    val_period: int = Field(10, ge=0)
+    val_at_start: bool = True
+    max_val_samples: int = Field(128, ge=1)
+    # Validation decodes greedily so that before/after numbers are comparable.
+    val_greedy: bool = True
+    seed: int = 42
+    async_grpo: AsyncGrpoCfg = AsyncGrpoCfg()
+
+    @property
+    def max_age(self) -> int:
+        """The staleness bound actually in force (0 when async is off)."""
+        return self.async_grpo.max_trajectory_age_steps if self.async_grpo.enabled else 0
+
+
+class SftCfg(Section):
+    """Supervised warm start on the task's reference answers before GRPO."""
+
+    enabled: bool = False
+    max_num_steps: int = Field(300, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    val_period: int = Field(25, ge=1)
+    # Stop early once the held-out reward reaches this (None: run all steps).
+    stop_at_val_reward: float | None = Field(0.25, ge=0)
+
+
+class LossFnCfg(Section):
+    reference_policy_kl_penalty: float = Field(0.0, ge=0)
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: float | None = Field(20.0, gt=0)
+    kl_output_clamp_value: float | None = Field(10.0, gt=0)
+    ratio_clip_min: float = Field(0.2, ge=0, lt=1)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    # Dual-clip constant c > 1 (Ye et al. 2020); None disables it.
+    ratio_clip_c: float | None = Field(None, gt=1)
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    # Truncation of the generator->learner importance weight; None: no truncation.
+    truncated_importance_sampling_ratio: float | None = Field(2.0, gt=0)
+    truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
+    # icepop masks tokens whose weight leaves [ratio_min, ratio]; ratio_min None means 1/ratio.
+    truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
+    sequence_level_importance_ratios: bool = False
+    token_level_loss: bool = True
+
+
+class DataCfg(Section):
+    # A built-in synthetic task, or "jsonl" for train_path/val_path files.
+    task: str = "addition"
+    task_args: dict[str, Any] = {}
+    train_path: str | None = None
+    val_path: str | None = None
+    num_train: int = Field(20000, ge=1)
+    num_val: int = Field(128, ge=1)
+    seed: int = 1234
+
+    @field_validator("task")
+    @classmethod
+    def _task_known(cls, v: str) -> str:
+        if v != "jsonl" and v not in TASKS:
+            close = difflib.get_close_matches(v, [*TASKS, "jsonl"], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join([*TASKS, 'jsonl'])})")
+        return v
+
+    @field_validator("task_args")
+    @classmethod
+    def _task_args(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        task = info.data.get("task")
+        if task in TASKS:
+            TASKS[task].parse_args(v)
+        elif task == "jsonl" and v:
+            raise ValueError("the jsonl task takes no task_args")
+        return v
+
+    @model_validator(mode="after")
+    def _paths(self) -> DataCfg:
+        if self.task == "jsonl" and not self.train_path:
+            raise ValueError("data.train_path: required when data.task is 'jsonl'")
+        return self
+
+
+class RewardFunctionCfg(Section):
+    # A built-in name (exact_match, math_verify, format, length_penalty, countdown) or any
+    # label when import_path is given.
+    name: str
+    import_path: str | None = None
+    weight: float = 1.0
+    args: dict[str, Any] = {}
+
+
+class RewardCfg(Section):
+    # Empty: the functions the reward service was deployed with.
+    functions: list[RewardFunctionCfg] = []
+    # host:port of an external gRPC server implementing rlserve.v1.Reward.
+    endpoint: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"must be host:port, got {v!r}")
+        return v
+
+
+class CheckpointingCfg(Section):
+    enabled: bool = True
+    # None: <run_dir>/checkpoints.
+    checkpoint_dir: str | None = None
+    save_period: int = Field(10, ge=1)
+    keep_last: int = Field(2, ge=1)
+
+
+class LoggerCfg(Section):
+    tensorboard_enabled: bool = True
+    plot_enabled: bool = True
+
+
+class ClusterCfg(Section):
+    # Learner ranks (one torch.distributed process each).
+    num_workers: int = Field(1, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpus_per_worker: float = Field(0.5, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    # Threads for torch inside each learner rank.
+    torch_threads: int = Field(1, ge=1)
+
+
+class RunSpec(Section):
+    name: str = "grpo"
+    policy: PolicyCfg = PolicyCfg()
+    grpo: GrpoCfg = GrpoCfg()
+    sft: SftCfg = SftCfg()
+    loss_fn: LossFnCfg = LossFnCfg()
+    data: DataCfg = DataCfg()
+    reward: RewardCfg = RewardCfg()
+    checkpointing: CheckpointingCfg = CheckpointingCfg()
+    logger: LoggerCfg = LoggerCfg()
+    cluster: ClusterCfg = ClusterCfg()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunSpec:
+        batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        gbs = self.policy.train_global_batch_size
+        if gbs is not None and batch % gbs:
+            raise ValueError(
+                f"policy.train_global_batch_size: {gbs} must divide grpo.num_prompts_per_step * "
+                f"grpo.num_generations_per_prompt ({batch})")
+        gen = self.policy.generation
+        if gen.max_new_tokens >= self.policy.max_total_sequence_length:
+            raise ValueError(
+                f"policy.generation.max_new_tokens: {gen.max_new_tokens} must be below "
+                f"policy.max_total_sequence_length ({self.policy.max_total_sequence_length})")
+        if self.policy.sequence_packing.train_mb_tokens < self.policy.max_total_sequence_length:
+            raise ValueError(
+                f"policy.sequence_packing.train_mb_tokens: {self.policy.sequence_packing.train_mb_tokens} "
+                f"must hold one sequence of policy.max_total_sequence_length "
+                f"({self.policy.max_total_sequence_length})")
+        tp = self.policy.dtensor_cfg.tensor_parallel_size
+        if self.policy.dtensor_cfg.enabled and self.cluster.num_workers % tp:
+            raise ValueError(
+                f"policy.dtensor_cfg.tensor_parallel_size: {tp} must divide cluster.num_workers "
+                f"({self.cluster.num_workers})")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        """Trajectories per GRPO step."""
+        return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt

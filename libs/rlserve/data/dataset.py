@@ -1,0 +1,81 @@
+"""Train/validation splits and a resumable prompt sampler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rlserve.config.spec import DataCfg
+from rlserve.data.jsonl import load_jsonl
+from rlserve.data.tasks import Example, get_task
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: list[Example]
+    val: list[Example]
+
+
+def build_splits(cfg: DataCfg) -> Splits:
+    """Validation prompts first, then training prompts that never repeat a validation prompt."""
+    if cfg.task == "jsonl":
+        train = load_jsonl(cfg.train_path)
+        if cfg.val_path:
+            return Splits(train, load_jsonl(cfg.val_path)[: cfg.num_val])
+        rng = random.Random(cfg.seed)
+        shuffled = train[:]
+        rng.shuffle(shuffled)
+        n_val = min(cfg.num_val, max(1, len(shuffled) // 10))
+        return Splits(shuffled[n_val:], shuffled[:n_val])
+    task = get_task(cfg.task, cfg.task_args)
+    rng = random.Random(cfg.seed)
+    val: dict[str, Example] = {}
+    attempts = 0
+    while len(val) < cfg.num_val and attempts < 50 * cfg.num_val:
+        ex = task.example(rng)
+        val.setdefault(ex.prompt, ex)
+        attempts += 1
+    train: list[Example] = []
+    attempts = 0
+    while len(train) < cfg.num_train and attempts < 50 * cfg.num_train:
+        ex = task.example(rng)
+        if ex.prompt not in val:
+            train.append(ex)
+        attempts += 1
+    if not train:
+        raise ValueError(f"task {cfg.task!r} with {cfg.task_args} leaves no training prompts beside the "
+                         f"{len(val)} validation prompts; lower data.num_val")
+    return Splits(train, list(val.values()))
+
+
+class PromptSampler:
+    """Shuffled passes over the training examples; its position is checkpointable."""
+
+    def __init__(self, examples: list[Example], seed: int):
+        self.examples = examples
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._shuffle(0)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Example]:
+        out = []
+        for _ in range(n):
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            out.append(self.examples[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._shuffle(self.epoch)

@@ -1,0 +1,177 @@
+"""Synthetic tasks with verifiable answers, generated from a seed.
+
+Each task turns a seeded RNG into (prompt, answer, metadata) examples. The
+prompts use only the character tokenizer's alphabet, and the answers are what
+the `exact_match` reward (or, for countdown, the `countdown` reward) checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """A named generator of examples with typed arguments (`Args`)."""
+
+    name: ClassVar[str]
+
+    @dataclass(frozen=True)
+    class Args:
+        pass
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    @classmethod
+    def parse_args(cls, raw: dict[str, Any]) -> Any:
+        """Build `Args` from the spec's `data.task_args`, with messages that name the key."""
+        fields = {f.name: f for f in dataclasses.fields(cls.Args)}
+        for key in raw:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"{key}: unknown key for task {cls.name!r}{hint} "
+                                 f"(allowed: {', '.join(fields) or 'none'})")
+        for key, value in raw.items():
+            want = type(getattr(cls.Args(), key))
+            if want is int and (isinstance(value, bool) or not isinstance(value, int)) or \
+                    want is bool and not isinstance(value, bool):
+                raise ValueError(f"{key}: must be {want.__name__}, got {value!r}")
+        args = cls.Args(**raw)
+        cls.check_args(args)
+        return args
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        pass
+
+    def example(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+
+
+class Addition(Task):
+    """`47+85=` -> `231`: the sum zero-padded to digits+1 and written reversed
+    (least significant digit first, which a small model learns far faster)."""
+
+    name = "addition"
+
+    @dataclass(frozen=True)
+    class Args:
+        digits: int = 2
+        reverse_answer: bool = True
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        if not 1 <= args.digits <= 9:
+            raise ValueError(f"digits: must be in 1..9, got {args.digits}")
+
+    def example(self, rng: random.Random) -> Example:
+        a, b = _number(rng, self.args.digits), _number(rng, self.args.digits)
+        answer = str(a + b).zfill(self.args.digits + 1)
+        if self.args.reverse_answer:
+            answer = answer[::-1]
+        return Example(f"{a}+{b}=", answer, {"a": a, "b": b})
+
+
+class Multiplication(Task):
+    name = "multiplication"
+
+    @dataclass(frozen=True)
+    class Args:
+        digits: int = 2
+        reverse_answer: bool = True
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        if not 1 <= args.digits <= 6:
+            raise ValueError(f"digits: must be in 1..6, got {args.digits}")
+
+    def example(self, rng: random.Random) -> Example:
+        a, b = _number(rng, self.args.digits), _number(rng, self.args.digits)
+        answer = str(a * b).zfill(2 * self.args.digits)
+        if self.args.reverse_answer:
+            answer = answer[::-1]
+        return Example(f"{a}*{b}=", answer, {"a": a, "b": b})
+
+
+class Countdown(Task):
+    """`3,5,7>22=` -> an expression over the numbers, each used once, equal to
+    the target. The stored answer is one solution; the `countdown` reward
+    accepts any."""
+
+    name = "countdown"
+
+    @dataclass(frozen=True)
+    class Args:
+        num_numbers: int = 3
+        max_number: int = 9
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        if not 2 <= args.num_numbers <= 5:
+            raise ValueError(f"num_numbers: must be in 2..5, got {args.num_numbers}")
+        if not 2 <= args.max_number <= 99:
+            raise ValueError(f"max_number: must be in 2..99, got {args.max_number}")
+
+    def example(self, rng: random.Random) -> Example:
+        numbers = [rng.randint(1, self.args.max_number) for _ in range(self.args.num_numbers)]
+        order = numbers[:]
+        rng.shuffle(order)
+        expr = str(order[0])
+        for n in order[1:]:
+            expr += rng.choice("+-*") + str(n)
+        target = eval(expr)  # noqa: S307 - digits and +-* only, built just above
+        prompt = ",".join(map(str, numbers)) + f">{target}="
+        return Example(prompt, expr, {"numbers": numbers, "target": target})
+
+
+class Reverse(Task):
+    name = "reverse"
+
+    @dataclass(frozen=True)
+    class Args:
+        min_length: int = 3
+        max_length: int = 6
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        if not 1 <= args.min_length <= args.max_length <= 32:
+            raise ValueError(f"need 1 <= min_length <= max_length <= 32, got {args.min_length}, {args.max_length}")
+
+    def example(self, rng: random.Random) -> Example:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                       for _ in range(rng.randint(self.args.min_length, self.args.max_length)))
+        return Example(f"rev:{word}=", word[::-1])
+
+
+class Sort(Reverse):
+    name = "sort"
+
+    def example(self, rng: random.Random) -> Example:
+        word = super().example(rng).answer
+        return Example(f"sort:{word}=", "".join(sorted(word)))
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort)}
+
+
+def get_task(name: str, raw_args: dict[str, Any]) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
+    cls = TASKS[name]
+    return cls(cls.parse_args(raw_args))

@@ -1,0 +1,47 @@
+"""Generated tiny models, their tokenizer, and name resolution for `policy.model_name`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from rlserve.models.presets import PRESETS, ModelPreset, get_preset
+
+__all__ = ["PRESETS", "ModelPreset", "get_preset", "resolve_model", "model_cache_dir"]
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("RLSERVE_MODEL_CACHE", Path.home() / ".cache" / "rlserve" / "models"))
+
+
+def resolve_model(model_name: str, seed: int = 0) -> Path:
+    """Map `policy.model_name` to an HF folder, generating `preset:NAME` models on first use.
+
+    Generation is deterministic in (preset, seed) and lands atomically, so
+    services that resolve the same name concurrently agree on the weights.
+    """
+    if not model_name.startswith("preset:"):
+        path = Path(model_name).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"policy.model_name: {model_name!r} is not an HF model folder (no config.json)")
+        return path
+    from rlserve.models.factory import make_model
+
+    preset = get_preset(model_name.removeprefix("preset:"))
+    target = model_cache_dir() / f"{preset.name}-seed{seed}"
+    if (target / "rlserve_preset.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        make_model(preset, tmp, seed=seed)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "rlserve_preset.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
