@@ -46,7 +46,9 @@ def hf_config(preset: ModelPreset) -> PretrainedConfig:
 def make_model(preset: ModelPreset, out_dir: Path, seed: int = 0) -> Path:
     """Create the model with seeded random init and save it (safetensors) with its tokenizer."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     config = hf_config(preset)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

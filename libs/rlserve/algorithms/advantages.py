@@ -1,0 +1,51 @@
+"""Group-relative advantages: one group is the samples drawn for one prompt.
+
+GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) replaces PPO's value
+network with the other samples of the same prompt: a sample's advantage is its
+reward minus the group's mean, optionally divided by the group's std. RLOO
+(Ahmadian et al. 2024, arXiv:2402.14740) leaves the sample itself out of its
+baseline, which makes the baseline independent of the sample and the policy
+gradient estimate unbiased.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, normalize: bool, leave_one_out: bool, eps: float = 1e-6) -> Tensor:
+    """Advantages [num_groups, group_size] from rewards [num_groups, group_size].
+
+    A = r - mean(group), or with `leave_one_out` A = r - mean(other samples of
+    the group) = n / (n - 1) * (r - mean(group)). With `normalize`, A is divided
+    by (std + eps) where std is the *unbiased* (Bessel, n - 1) std of the whole
+    group, the estimator NeMo-RL's `calculate_baseline_and_std_per_prompt` uses.
+    (For the leave-one-out baseline NeMo-RL divides by the std of the other
+    samples instead; we divide by the group's std in both cases so that every
+    sample of a group is scaled by the same number.)
+
+    A group whose rewards are all equal gets A = 0 (never 0 / 0), and a group of
+    one sample has no baseline to compare against, so it gets A = 0 too.
+    """
+    group_size = rewards.shape[1]
+    if group_size == 1:
+        return torch.zeros_like(rewards)
+    if leave_one_out:
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (group_size - 1)
+    else:
+        baseline = rewards.mean(dim=1, keepdim=True)
+    advantages = rewards - baseline
+    if normalize:
+        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
+    return advantages
+
+
+def zero_variance_groups(rewards: Tensor) -> Tensor:
+    """Bool [num_groups]: groups whose rewards are all exactly equal.
+
+    Their advantages are all zero, so they add no policy-gradient signal (only
+    KL and normaliser weight); the coordinator may drop them (DAPO's dynamic
+    sampling, Yu et al. 2025, arXiv:2503.14476). A group of one is trivially equal.
+    """
+    return (rewards == rewards[:, :1]).all(dim=1)

@@ -1,0 +1,190 @@
+"""Megatron-Core 0.16.1 GPTModel for an HF Llama/Mistral/Qwen2/Mixtral config.
+
+`megatron_config_from_hf` picks the TransformerConfig whose forward equals
+the HF model's (checked to 1e-4 in fp32 on the tiny presets by
+`tests/unit/models/test_hf_megatron.py`); `build_gpt_model` builds the model
+with the local layer spec (or the Transformer Engine spec on GPUs); weights
+come from `rlserve.models.hf_megatron.hf_to_megatron` and go in through
+`load_megatron_state`.
+
+Mixtral routing. HF (`MixtralTopKRouter`): softmax over all expert logits,
+top-k, then divide by the sum of the k kept probabilities. That equals a
+softmax over the k top logits, which is megatron's default
+`moe_router_score_function="softmax"` with `moe_router_pre_softmax=False`
+(`transformer/moe/moe_utils.py`, `topk_routing_with_score_function`: top-k of
+the logits, then softmax over them). Top-1 would differ (HF weight 1.0; megatron
+demands pre-softmax for k=1, giving p_max), so it is refused. Load balancing
+is "none" (HF adds no router loss unless `output_router_logits`; RL recipes,
+NeMo-RL's among them, train MoE with no balancing loss); router math in fp32
+like HF's softmax. The "alltoall" dispatcher is the one that scales to
+expert parallelism and runs on one CPU rank.
+
+Vocab padding: GPTModel never pads; VocabParallelEmbedding needs the vocab to
+divide by TP. `build_gpt_model` uses `padded_vocab_size(hf_vocab, tp)` unless
+told otherwise; the converter fills padded rows with zeros, and logits past
+`hf_config.vocab_size` must be dropped before a softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlserve.models.hf_megatron import SUPPORTED_MODEL_TYPES, padded_vocab_size
+
+__all__ = ["megatron_config_from_hf", "build_gpt_model", "load_megatron_state", "padded_vocab_size"]
+
+
+def _rope(hf_config) -> tuple[float, dict[str, Any]]:
+    """(rope base, GPTModel rope kwargs) from either the transformers-5 or the 4.x config fields."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = params if params else (getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("HF config has no rope_theta")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), {}
+    # megatron's llama3 scaling hard-codes low=1, high=4, original context 8192 (RotaryEmbedding._apply_scaling).
+    if rope_type == "llama3" and (
+        scaling.get("low_freq_factor"), scaling.get("high_freq_factor"), scaling.get("original_max_position_embeddings")
+    ) == (1.0, 4.0, 8192):
+        return float(theta), {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+    raise NotImplementedError(f"rope type {rope_type!r} with {scaling} has no Megatron GPTModel equivalent here")
+
+
+def _check(hf_config) -> None:
+    kind = hf_config.model_type
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(f"model_type {kind!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if hf_config.hidden_act != "silu":
+        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}; only SwiGLU (silu) models are supported")
+    if kind == "llama" and (getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)):
+        raise NotImplementedError("Llama attention_bias/mlp_bias are not supported")
+    window = getattr(hf_config, "sliding_window", None)
+    if kind == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    if window is not None and window < hf_config.max_position_embeddings:
+        raise NotImplementedError(f"sliding-window attention ({window}) is not supported")
+    if kind == "mixtral" and hf_config.num_experts_per_tok < 2:
+        raise NotImplementedError("top-1 Mixtral routing (weight 1.0) has no Megatron router setting")
+
+
+def megatron_config_from_hf(hf_config, **overrides: Any):
+    """The megatron `TransformerConfig` that reproduces `hf_config`'s forward; `overrides` win.
+
+    Parallel sizes (`tensor_model_parallel_size`, `expert_model_parallel_size`,
+    `sequence_parallel`, ...), `use_cpu_initialization` and mixed precision
+    come in through `overrides`. By default params take the checkpoint dtype
+    (`bf16`/`fp16` flags set to match); dropout is off as in HF.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _check(hf_config)
+    _rope(hf_config)  # raises early on an unsupported rope type
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=hf_config.initializer_range,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    if hf_config.model_type == "mixtral":
+        kwargs.update(
+            num_moe_experts=hf_config.num_local_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.intermediate_size,
+            moe_grouped_gemm=False,
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=False,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="allgather",
+            moe_permute_fusion=False,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    hf_config,
+    transformer_config,
+    pre_process: bool = True,
+    post_process: bool = True,
+    use_te: bool = False,
+    *,
+    vocab_size: int | None = None,
+    parallel_output: bool = True,
+):
+    """A GPTModel (RoPE, tied embeddings as in `hf_config`) with the local spec, or the TE spec if `use_te`.
+
+    `vocab_size` is the padded vocab (default: the HF vocab rounded up to a
+    multiple of the TP size). With `parallel_output=True` the logits stay
+    vocab-parallel, shape [batch, seq, padded_vocab / TP] on each TP rank.
+    Parallel state (`megatron.core.parallel_state`) must be initialised.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    _check(hf_config)
+    rope_base, rope_kwargs = _rope(hf_config)
+    experts = transformer_config.num_moe_experts
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=transformer_config.moe_grouped_gemm
+        )
+    else:
+        if transformer_config.moe_grouped_gemm:
+            raise NotImplementedError("grouped GEMM experts need the TE spec (use_te=True)")
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    tp = transformer_config.tensor_model_parallel_size
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp) if vocab_size is None else vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=rope_base,
+        **rope_kwargs,
+    )
+
+
+def load_megatron_state(model: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Copy a converted shard into `model`; every parameter must be covered, `_extra_state` excepted."""
+    result = model.load_state_dict(dict(state), strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    if missing or result.unexpected_keys:
+        raise KeyError(f"Megatron state mismatch: missing {missing[:8]}, unexpected {result.unexpected_keys[:8]}")

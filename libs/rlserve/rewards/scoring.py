@@ -1,0 +1,50 @@
+"""Score a batch item by item: one failing item never fails the batch."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from rlserve.logs import event
+from rlserve.rewards.interfaces import RewardInput
+from rlserve.rewards.loader import CombinedReward, FunctionSpec
+from rlserve.rpc import invalid_argument
+from rlserve.v1 import reward_pb2
+
+log = logging.getLogger("rlserve.reward")
+
+
+def specs_from_proto(functions: list[reward_pb2.RewardFunctionSpec]) -> list[FunctionSpec]:
+    specs = []
+    for i, f in enumerate(functions):
+        try:
+            args = json.loads(f.args_json) if f.args_json else {}
+        except json.JSONDecodeError as err:
+            raise invalid_argument(f"functions[{i}].args_json", f"not JSON: {err.msg}") from None
+        if not isinstance(args, dict):
+            raise invalid_argument(f"functions[{i}].args_json", "must be a JSON object")
+        specs.append(FunctionSpec.make(f.name, f.import_path, f.weight if f.weight else 1.0, args))
+    return specs
+
+
+def score_batch(reward: CombinedReward, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+    results, errors = [], 0
+    for i, item in enumerate(request.items):
+        try:
+            metadata = json.loads(item.metadata_json) if item.metadata_json else {}
+        except json.JSONDecodeError as err:
+            raise invalid_argument(f"items[{i}].metadata_json", f"not JSON: {err.msg}") from None
+        try:
+            score, components, info = reward(RewardInput(item.prompt, item.completion, item.reference_answer,
+                                                         metadata))
+            results.append(reward_pb2.ScoreResult(id=item.id, score=score, status=reward_pb2.SCORE_STATUS_OK,
+                                                  components=components,
+                                                  info_json=json.dumps(info, default=str) if info else ""))
+        except Exception as err:  # noqa: BLE001 - a plug-in's failure is this item's status, never the batch's
+            errors += 1
+            message = f"{type(err).__name__}: {err}"[:300]
+            event(log, "reward.item_error", logging.WARNING, run=request.run_id or None, item=item.id or i,
+                  error=message)
+            results.append(reward_pb2.ScoreResult(id=item.id, score=0.0, status=reward_pb2.SCORE_STATUS_ERROR,
+                                                  error=message))
+    return reward_pb2.ScoreResponse(results=results, num_errors=errors, reward_version=reward.version)

@@ -1,0 +1,163 @@
+"""The learner's batch: what the coordinator puts in the object store, and how a
+rank cuts its share into padded or packed micro-batches.
+
+A `TrainBatch` stores sequences back to back (flat tensors plus lengths), so
+it pickles as a handful of tensors. A `MicroBatch` is what one forward pass
+eats; its completion tokens, gathered row-major, line up with the flat
+per-token vectors the loss functions take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlserve.training.packing import first_fit_decreasing
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # [total_tokens] long, sequences back to back (prompt then completion)
+    seq_lens: torch.Tensor  # [S] long
+    prompt_lens: torch.Tensor  # [S] long
+    advantages: torch.Tensor  # [S] float32 (zeros for SFT)
+    gen_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (SFT)
+    ref_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (no KL)
+
+    @classmethod
+    def from_sequences(cls, token_ids: list[list[int]], prompt_lens: list[int], advantages: list[float] | None = None,
+                       gen_logprobs: list[list[float]] | None = None,
+                       ref_logprobs: list[list[float]] | None = None) -> TrainBatch:
+        if not token_ids:
+            raise ValueError("empty batch")
+        for i, (ids, p) in enumerate(zip(token_ids, prompt_lens)):
+            if not 0 < p < len(ids):
+                raise ValueError(f"sequences[{i}]: prompt_length {p} must be in 1..{len(ids) - 1}")
+            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs)):
+                if per_tok is not None and len(per_tok[i]) != len(ids) - p:
+                    raise ValueError(f"sequences[{i}].{name}: {len(per_tok[i])} values for "
+                                     f"{len(ids) - p} completion tokens")
+
+        def flat(rows: list[list[float]] | None) -> torch.Tensor | None:
+            return None if rows is None else torch.tensor([v for r in rows for v in r], dtype=torch.float32)
+
+        return cls(
+            tokens=torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long),
+            seq_lens=torch.tensor([len(ids) for ids in token_ids], dtype=torch.long),
+            prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
+            advantages=torch.tensor(advantages if advantages is not None else [0.0] * len(token_ids),
+                                    dtype=torch.float32),
+            gen_logprobs=flat(gen_logprobs),
+            ref_logprobs=flat(ref_logprobs),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.numel())
+
+    @property
+    def completion_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.prompt_lens
+
+    def num_completion_tokens(self, idx: list[int]) -> int:
+        return int(self.completion_lens[idx].sum())
+
+    def _offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        seq_start = torch.cumsum(self.seq_lens, 0) - self.seq_lens
+        comp_start = torch.cumsum(self.completion_lens, 0) - self.completion_lens
+        return seq_start, comp_start
+
+    def sequence(self, i: int) -> torch.Tensor:
+        seq_start, _ = self._offsets()
+        return self.tokens[seq_start[i]:seq_start[i] + self.seq_lens[i]]
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, L] (padded) or [1, T] (packed)
+    position_ids: torch.Tensor  # same shape; restarts at 0 for every sequence
+    attention_mask: torch.Tensor | None  # [B, L] for padded rows; None when packed
+    completion_mask: torch.Tensor  # [B, L] bool: token is a completion token
+    # Flat per-token vectors, in the row-major order of completion_mask:
+    advantages: torch.Tensor
+    gen_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    seq_index: torch.Tensor  # which sequence of this micro-batch each token belongs to
+    num_seqs: int
+    num_tokens: int  # all tokens, prompts included (for throughput)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return MicroBatch(mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask),
+                          mv(self.completion_mask), mv(self.advantages), mv(self.gen_logprobs),
+                          mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs, self.num_tokens)
+
+
+def _per_token(batch: TrainBatch, field: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
+    if field is None:
+        return None
+    _, comp_start = batch._offsets()
+    return torch.cat([field[comp_start[i]:comp_start[i] + batch.completion_lens[i]] for i in idx])
+
+
+def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: bool = False) -> MicroBatch:
+    """One micro-batch of sequences `idx`. A dummy one has no completion tokens: it runs the
+    forward/backward collectives of a rank that has no real work left, contributing nothing."""
+    seqs = [batch.sequence(i) for i in idx]
+    comp_lens = torch.zeros(len(idx), dtype=torch.long) if dummy else batch.completion_lens[idx]
+    starts = [len(s) if dummy else int(batch.prompt_lens[i]) for s, i in zip(seqs, idx)]
+    if packed:
+        input_ids = torch.cat(seqs)[None]
+        position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        completion = torch.cat([torch.arange(len(s)) >= p for s, p in zip(seqs, starts)])[None]
+        attention = None
+    else:
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), width), dtype=torch.long)
+        completion = torch.zeros((len(seqs), width), dtype=torch.bool)
+        for row, (s, p) in enumerate(zip(seqs, starts)):
+            input_ids[row, :len(s)] = s
+            attention[row, :len(s)] = 1
+            completion[row, p:len(s)] = True
+        position_ids = torch.arange(width).expand(len(seqs), width).contiguous()
+    real = [] if dummy else idx
+    return MicroBatch(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention, completion_mask=completion,
+        advantages=batch.advantages[idx].repeat_interleave(comp_lens),
+        gen_logprobs=_per_token(batch, batch.gen_logprobs, real) if real else _empty(batch.gen_logprobs),
+        ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),
+        seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),
+        num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()))
+
+
+def _empty(field: torch.Tensor | None) -> torch.Tensor | None:
+    return None if field is None else field.new_zeros(0)
+
+
+def _groups(batch: TrainBatch, idx: list[int], packed: bool, micro_batch_size: int, mb_tokens: int
+            ) -> list[list[int]]:
+    if not idx:
+        return []
+    if packed:
+        return [[idx[j] for j in b] for b in first_fit_decreasing([int(batch.seq_lens[i]) for i in idx], mb_tokens)]
+    return [idx[k:k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)]
+
+
+def rank_micro_batches(batch: TrainBatch, idx: list[int], dp_rank: int, dp_size: int, *, packed: bool,
+                       micro_batch_size: int, mb_tokens: int, pad_id: int = 0) -> list[MicroBatch]:
+    """This data-parallel rank's micro-batches for the sequences `idx` of one optimizer step.
+
+    Sequences are dealt out strided; every rank then gets as many micro-batches as the busiest rank
+    (padded with dummies), because FSDP's collectives need the same number of forward/backward
+    passes on every rank. Each rank sees the whole batch, so no communication is needed to agree.
+    """
+    plans = [_groups(batch, idx[r::dp_size], packed, micro_batch_size, mb_tokens) for r in range(dp_size)]
+    mine = [_make(batch, g, packed, pad_id) for g in plans[dp_rank]]
+    filler = idx[dp_rank::dp_size][:1] or idx[:1]
+    mine += [_make(batch, filler, packed, pad_id, dummy=True)
+             for _ in range(max(len(p) for p in plans) - len(mine))]
+    return mine

@@ -1,0 +1,38 @@
+"""Per-token logprobs of completion tokens, computed from hidden states in row chunks.
+
+Only the positions that predict a completion token are projected onto the
+vocabulary, a chunk of rows at a time, so the temporary fp32 logits never
+exceed chunk_rows x vocab, whatever the batch and sequence length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def completion_positions(completion_mask: torch.Tensor) -> torch.Tensor:
+    """Mask over hidden-state positions [B, L]: position t predicts token t+1, so shift by one."""
+    select = torch.zeros_like(completion_mask, dtype=torch.bool)
+    select[:, :-1] = completion_mask[:, 1:].bool()
+    return select
+
+
+def gather_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
+                    chunk_rows: int = 2048, with_entropy: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) for each row of `hidden` [N, H] under logits hidden @ head_weight.T (fp32 math).
+
+    Returns ([N] logprobs, [N] entropies or None). Differentiable in hidden and head_weight.
+    """
+    out, ents = [], []
+    # At least one (possibly empty) chunk, so that the result stays connected to the graph: a
+    # micro-batch without completion tokens must still run backward (FSDP's collectives).
+    for start in range(0, max(1, hidden.shape[0]), chunk_rows):
+        logits = (hidden[start:start + chunk_rows] @ head_weight.t()).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        out.append(logits.gather(-1, targets[start:start + chunk_rows, None]).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1)
+                ents.append(lse - (probs * logits).sum(-1))
+    return torch.cat(out), (torch.cat(ents) if with_entropy else None)

@@ -1,0 +1,69 @@
+"""What a model's weights look like on disk, and whether an update fits them.
+
+Engines must never apply a weight update that does not match the running
+model: vLLM can be left broken by a failed reload (DESIGN.md). So every
+update is checked here first, against the names and shapes of the model's
+own safetensors checkpoint (the project's interchange layout).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
+    """Names, shapes and dtypes of every tensor in a folder of *.safetensors files (headers only)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files")
+    specs = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                specs[name] = TensorSpec(tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()])
+    return specs
+
+
+def fingerprint(specs: dict[str, TensorSpec]) -> str:
+    """A short hash of names and shapes (not dtypes): equal for models one can swap weights between."""
+    h = hashlib.sha256()
+    for name in sorted(specs):
+        h.update(f"{name}:{specs[name].shape};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_update(expected: dict[str, TensorSpec], got: dict[str, TensorSpec], complete: bool = True) -> list[str]:
+    """Problems with an update (empty list: it fits). Float dtypes may differ (they are cast)."""
+    problems = []
+    for name, spec in got.items():
+        want = expected.get(name)
+        if want is None:
+            problems.append(f"{name}: not a parameter of the served model")
+        elif spec.shape != want.shape:
+            problems.append(f"{name}: shape {list(spec.shape)} != served {list(want.shape)}")
+        elif not spec.dtype.is_floating_point:
+            problems.append(f"{name}: dtype {spec.dtype} is not a floating-point type")
+    if complete:
+        missing = sorted(set(expected) - set(got))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            problems.append(f"missing {len(missing)} tensors: {shown}")
+    return problems

@@ -1,0 +1,196 @@
+"""The DTensor/FSDP2 learner backend: an HF model, sharded with FSDP2 over the
+data-parallel dim and DTensor tensor parallel over the tensor dim."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from rlserve.config.spec import RunSpec
+from rlserve.models.hf_io import write_hf_folder
+from rlserve.training.batch import MicroBatch, TrainBatch
+from rlserve.training.forward import completion_positions, gather_logprobs
+from rlserve.training.objective import StepObjective
+from rlserve.training.schedule import lr_factor
+from rlserve.weights.specs import checkpoint_specs
+from services.learner.backends.dtensor.parallel_dims import ParallelDims
+from services.learner.backends.dtensor.parallelize import parallelize
+from services.learner.interfaces import BackendInfo, LearnerBackend, LossName, StepResult
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PolicyLogprobs(nn.Module):
+    """Root module for FSDP: runs the decoder and returns logprobs of completion tokens only.
+
+    Wrapping the HF model lets the FSDP root gather the embeddings, final norm and head
+    before this forward, while the vocabulary projection covers only completion positions.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.lm.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                            use_cache=False)
+        hidden = out.last_hidden_state
+        if isinstance(hidden, DTensor):  # sequence parallel leaves it sharded along the sequence
+            hidden = hidden.full_tensor()
+        head = self.lm.get_output_embeddings().weight
+        select = completion_positions(mb.completion_mask)
+        return gather_logprobs(hidden[select], head, mb.input_ids[mb.completion_mask], with_entropy=with_entropy)
+
+
+class DTensorBackend(LearnerBackend):
+    name = "dtensor"
+
+    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        self.spec, self.model_path, self.device = spec, Path(model_path), device
+        cfg = spec.policy.dtensor_cfg
+        self.dims = ParallelDims.from_world(dist.get_world_size(), cfg.tensor_parallel_size)
+        self.mesh = self.dims.build_mesh(device.type)
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.param_dtype = _DTYPES[spec.policy.precision]
+        torch.manual_seed(spec.grpo.seed)
+
+        lm = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        lm.config.use_cache = False
+        self.pad_id = lm.config.pad_token_id or 0
+        self.num_parameters = sum(p.numel() for p in lm.parameters())
+        self.export_names = set(checkpoint_specs(self.model_path))
+        lm.to(device)
+        self.model = PolicyLogprobs(lm)
+        parallelize(self.model, lm, self.mesh, cfg, self.param_dtype)
+
+        opt = spec.policy.optimizer.kwargs
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                           weight_decay=opt.weight_decay, foreach=True)
+        sched, total = spec.policy.scheduler, spec.grpo.max_num_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, total))
+        self._version = 0
+
+    # --- contract ------------------------------------------------------------
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(self.name, self.dims.world_size, self.dims.describe(), self.num_parameters,
+                           str(self.device))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
+        t0 = time.perf_counter()
+        objective = StepObjective(self.spec, batch, loss, self.dims.dp, self.dp_rank, self.pad_id)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        prev = self._prev_logprobs(objective) if objective.needs_prev_logprobs else None
+        grad_norms = []
+        for k, plan in enumerate(objective.plans):
+            self.optimizer.zero_grad(set_to_none=True)
+            for j, mb in enumerate(plan):
+                mb = mb.to(self.device)
+                lps, entropy = self.model(mb, with_entropy=True)
+                loss_value = objective.micro_batch_loss(k, mb, lps, None if prev is None else prev[k][j], entropy)
+                # FSDP averages gradients over data-parallel ranks; the loss is already
+                # normalised by global counts, so undo that average.
+                (loss_value * self.dims.dp).backward()
+            grad_norms.append(self._clip_and_step())
+        if lr is None:
+            self.scheduler.step()
+        self._version += 1
+        metrics = objective.finalize(self.mesh["dp"].get_group())
+        metrics["policy/grad_norm"] = float(torch.stack(grad_norms).mean())
+        metrics["policy/lr"] = self.optimizer.param_groups[0]["lr"]
+        elapsed = time.perf_counter() - t0
+        metrics["perf/learner_step_seconds"] = elapsed
+        metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
+        return StepResult(self._version, metrics)
+
+    @torch.no_grad()
+    def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
+        """Logprobs under the weights at the start of the step, for steps of several optimizer updates."""
+        return [[self.model(mb.to(self.device), with_entropy=False)[0] for mb in plan] for plan in objective.plans]
+
+    def _clip_and_step(self) -> torch.Tensor:
+        norm = clip_grad_norm(list(self.model.parameters()), self.spec.policy.max_grad_norm)
+        self.optimizer.step()
+        return norm
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        rank0 = dist.get_rank() == 0
+        for name, param in self.model.named_parameters():
+            hf_name = name.removeprefix("lm.").replace("._checkpoint_wrapped_module", "")
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            if hf_name not in self.export_names:
+                if hf_name == "lm_head.weight" and self.model.lm.config.tie_word_embeddings:
+                    continue
+                raise ValueError(f"{hf_name}: not in the model's checkpoint layout; the dtensor backend exports "
+                                 f"dense HF models (fused-expert MoE needs the megatron backend)")
+            tensor = full.detach().to("cpu", dtype or full.dtype) if rank0 else torch.empty(0)
+            yield hf_name, tensor
+
+    def save_checkpoint(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        torch.save({"rng": torch.get_rng_state()}, path / f"rng_rank{dist.get_rank()}.pt")
+        if dist.get_rank() == 0:
+            torch.save({"version": self._version, "scheduler": self.scheduler.state_dict()}, path / "extra.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, path: Path) -> int:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(path / "extra.pt", weights_only=False)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        rng = path / f"rng_rank{dist.get_rank()}.pt"
+        if rng.is_file():
+            torch.set_rng_state(torch.load(rng, weights_only=False)["rng"])
+        self._version = int(extra["version"])
+        return self._version
+
+    def save_hf(self, path: Path) -> None:
+        tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
+        if dist.get_rank() == 0:
+            write_hf_folder(path, tensors, self.model_path, {"version": self._version})
+        dist.barrier()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of the gradients (clipped to max_norm when given).
+
+    Under FSDP + TP parameters live on different meshes (replicated ones on the dp mesh, TP-sharded
+    ones on the dp x tp mesh), which torch's clip_grad_norm_ cannot stack; norms are taken per mesh
+    and combined here.
+    """
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm:
+        # Scale the local shards directly: gradients are Shard/Replicate DTensors after FSDP's
+        # reduce-scatter, so this is exact, and it avoids mixing meshes in one foreach call.
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for group in by_mesh.values() for g in group]
+        torch._foreach_mul_(local, coef.to(local[0].device))
+    return total.detach().cpu()

@@ -1,0 +1,99 @@
+"""Apply tensor parallel -> activation checkpointing -> FSDP2 to an HF Llama-style model.
+
+The order is torchtitan's (models/llama3/parallelize.py): TP first so that
+FSDP shards the already TP-sharded DTensors along the data-parallel dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from rlserve.config.spec import DTensorCfg
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(lm, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(lm).__name__}: expected an HF decoder-only model with model.layers")
+    return layers
+
+
+def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-style TP on attention and MLP projections; embeddings and head stay replicated.
+
+    Attention heads and KV groups are split across TP ranks (q/k/v column-wise, o row-wise);
+    HF's attention infers the local head count from the projection width. With sequence
+    parallel, norms and residuals hold sequence shards between the TP regions.
+    """
+    heads, kv_heads = lm.config.num_attention_heads, lm.config.num_key_value_heads
+    if heads % tp_mesh.size() or kv_heads % tp_mesh.size():
+        raise ValueError(f"tensor_parallel_size {tp_mesh.size()} must divide the attention heads ({heads}) "
+                         f"and KV heads ({kv_heads})")
+    seq = Shard(1)
+    out_layout = seq if sequence_parallel else Replicate()
+    for layer in decoder_layers(lm):
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=out_layout, use_local_output=not sequence_parallel),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=out_layout, use_local_output=not sequence_parallel),
+        }
+        if sequence_parallel:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+    if sequence_parallel:
+        parallelize_module(lm.model, tp_mesh, {
+            "embed_tokens": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=seq,
+                                                use_local_output=False),
+            "norm": SequenceParallel(use_local_output=False),
+        })
+
+
+def apply_activation_checkpointing(lm: nn.Module) -> None:
+    layers = decoder_layers(lm)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_fsdp(root: nn.Module, lm: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
+               cpu_offload: bool) -> None:
+    """FSDP2 per decoder layer, then the root (embeddings, final norm, head: tied weights share a unit)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    layers = decoder_layers(lm)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed right away by the backward: keep them gathered.
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
+    fully_shard(root, **kwargs)
+
+
+def parallelize(root: nn.Module, lm: nn.Module, mesh: DeviceMesh, cfg: DTensorCfg, param_dtype: torch.dtype) -> None:
+    if mesh["tp"].size() > 1:
+        apply_tp(lm, mesh["tp"], cfg.sequence_parallel)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(lm)
+    apply_fsdp(root, lm, mesh["dp"], param_dtype, cfg.cpu_offload)

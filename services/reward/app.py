@@ -1,0 +1,73 @@
+"""The reward Serve application: `rlserve.v1.Reward` over the reward plug-ins.
+
+It is deployed with a default function set (cluster.yaml, or
+`deploy/serve swap reward ...`); a request may name its own functions
+instead. Redeploying this app alone swaps the reward without touching the
+other services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from functools import lru_cache
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+
+from rlserve.logs import event, setup_logging
+from rlserve.rewards.loader import CombinedReward, FunctionSpec
+from rlserve.rewards.scoring import score_batch, specs_from_proto
+from rlserve.rpc import grpc_method, invalid_argument
+from rlserve.v1 import reward_pb2
+
+log = logging.getLogger("rlserve.reward")
+
+
+class RewardFunctionArg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    import_path: str | None = None
+    weight: float = 1.0
+    args: dict = {}
+
+
+class RewardArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    functions: list[RewardFunctionArg] = [RewardFunctionArg(name="exact_match")]
+
+
+@lru_cache(maxsize=32)
+def _combined(specs: tuple[FunctionSpec, ...]) -> CombinedReward:
+    return CombinedReward(list(specs))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=32)
+class Reward:
+    def __init__(self, args: dict | None = None):
+        setup_logging()
+        parsed = RewardArgs.model_validate(args or {})
+        self.default = CombinedReward([FunctionSpec.make(f.name, f.import_path, f.weight, f.args)
+                                       for f in parsed.functions])
+        event(log, "reward.ready", version=self.default.version,
+              functions=",".join(s.name for s in self.default.specs))
+
+    @grpc_method
+    async def Score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        reward = self.default
+        if request.functions:
+            try:
+                reward = _combined(tuple(specs_from_proto(list(request.functions))))
+            except ValueError as err:
+                raise invalid_argument("functions", str(err)) from None
+        return await asyncio.to_thread(score_batch, reward, request)
+
+
+def build(args: dict) -> serve.Application:
+    """Serve application builder: `import_path: services.reward.app:build`."""
+    return Reward.bind(RewardArgs.model_validate(args).model_dump())
+
+
+app = Reward.bind({})

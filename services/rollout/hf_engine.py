@@ -1,0 +1,107 @@
+"""transformers as a rollout engine: plain `generate` with a KV cache.
+
+It serves where vLLM is absent (the GPU test machine) and is the reference
+that vLLM's numbers are compared with. Same contract as the vLLM engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from services.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersEngine(RolloutEngine):
+    name = "transformers"
+
+    def __init__(self, cfg: EngineConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=_DTYPES[cfg.dtype]).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        rows = [ids for ids in prompts for _ in range(n)]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, ids in enumerate(rows):  # left padding, as decoder-only generation wants
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            attention[i, width - len(ids):] = 1
+        greedy = sampling.temperature == 0
+        stop_ids = {self.eos_id, *sampling.stop_token_ids}
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy else (sampling.top_k or 0),
+            max_new_tokens=sampling.max_new_tokens,
+            eos_token_id=sorted(stop_ids),
+            pad_token_id=self.pad_id,
+            stop_strings=list(sampling.stop_strings) or None,
+            tokenizer=self.tokenizer if sampling.stop_strings else None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new_tokens = out.sequences[:, width:].cpu()
+        # Raw (temperature-1) logits of each step, as vLLM reports its logprobs.
+        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
+        picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        samples = [self._cut(new_tokens[i].tolist(), picked[i].tolist(), stop_ids, sampling.stop_strings)
+                   for i in range(len(rows))]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _cut(self, ids: list[int], lps: list[float], stop_ids: set[int], stop_strings: tuple[str, ...]
+             ) -> GeneratedSample:
+        for k, tok in enumerate(ids):
+            if tok in stop_ids:
+                return GeneratedSample(ids[:k + 1], lps[:k + 1], "stop", self.tokenizer.decode(ids[:k], skip_special_tokens=True))
+            if stop_strings:
+                text = self.tokenizer.decode(ids[:k + 1], skip_special_tokens=True)
+                hit = [s for s in stop_strings if s in text]
+                if hit:
+                    return GeneratedSample(ids[:k + 1], lps[:k + 1], "stop", text[: text.index(hit[0])])
+        return GeneratedSample(ids, lps, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._load_checkpoint_state(dict(named_tensors))
+
+    def load_weights_from_path(self, path: Path) -> None:
+        state = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(f))
+        self._load_checkpoint_state(state)
+
+    @torch.no_grad()
+    def _load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy checkpoint-named tensors into the live model (tied weights follow the embedding)."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in state.items():
+            target = params.get(name)
+            if target is None:
+                raise KeyError(f"{name}: no such parameter in the transformers model "
+                               f"(fused-expert MoE checkpoints need the vLLM engine)")
+            target.copy_(tensor.to(target.dtype))
+
+    def info(self) -> EngineInfo:
+        return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,
+                          self.model.config.vocab_size, self.cfg.dtype)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,267 @@
+"""Run Megatron-Core's model path on a CPU-only machine, for tests only.
+
+megatron-core 0.16.1 assumes CUDA on the GPTModel model path (local spec,
+`use_cpu_initialization=True`). `megatron_cpu()` patches exactly this, and
+restores it on exit:
+
+1. The CUDA RNG tracker (`tensor_parallel/random.py`: `CudaRNGStatesTracker.add`
+   and `fork` call `torch.cuda.get_rng_state`): the tracker singleton
+   `_CUDA_RNG_STATE_TRACKER` becomes a `CpuRNGStatesTracker` that forks the CPU
+   generator. Attention dropout forks it (`transformer/dot_product_attention.py`).
+2. `torch.cuda.current_device()` as seen by five modules (their module-level
+   `torch` name is swapped for a proxy whose `cuda.current_device()` is "cpu";
+   nothing else changes): `utils.py` (`GlobalMemoryBuffer.get_tensor`, the
+   attention-score buffer), `models/common/embeddings/rotary_pos_embedding.py`
+   (`RotaryEmbedding.get_emb` moves `inv_freq`), `tensor_parallel/mappings.py`
+   (the TP/EP all-gather, reduce-scatter and all-to-all output buffers),
+   `tensor_parallel/layers.py` (sequence-parallel buffers) and
+   `transformer/moe/router.py` (`Router.gating` moves the router weight).
+3. `get_default_causal_mask` (`transformer/utils.py`, `device="cuda"`): a CPU
+   version, in `transformer.utils` and where it was imported by name
+   (`fusions/fused_softmax.py`).
+
+Not CUDA but a 0.16.1 bug that any run without Transformer Engine hits (GPU
+too): `RouterGatingLinearFunction.forward` (`transformer/moe/moe_utils.py`)
+tests `te_general_gemm is not None`, a name only bound when TE imports, so
+every MoE forward raises NameError. `megatron_cpu()` binds it to None (the
+torch.mm fallback) for its duration.
+
+These patches never belong in `libs/`: the product path runs on GPUs.
+
+`gloo_process_group()` brings up torch.distributed (gloo, 127.0.0.1 only),
+`model_parallel()` megatron's `parallel_state` over it,
+`megatron_single_process()` both plus the patches for world size 1, and
+`spawn_workers()` runs a function on N processes (torch.multiprocessing
+spawn, a free localhost port) and returns what each rank returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CpuRNGStatesTracker:
+    """Named RNG states on the CPU generator, the interface of megatron's CudaRNGStatesTracker."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
+class _CudaOnCpu:
+    """`torch.cuda` whose `current_device()` is the CPU; everything else is the real `torch.cuda`."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """`torch` as seen by a patched megatron module: the real one, but with `_CudaOnCpu` as `cuda`."""
+
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+# Megatron modules that allocate or move tensors to `torch.cuda.current_device()` on the
+# model path (forward, and backward with sequence parallel).
+_DEVICE_MODULES = (
+    "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor: attention-score buffer
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # RotaryEmbedding.get_emb: inv_freq
+    "megatron.core.tensor_parallel.mappings",  # _gather_along_{first,last}_dim, _reduce_scatter_*, all-to-all
+    "megatron.core.tensor_parallel.layers",  # sequence-parallel all-gather buffers (forward and backward)
+    "megatron.core.transformer.moe.router",  # Router.gating: moves the router weight
+)
+
+
+@contextlib.contextmanager
+def megatron_cpu(seed: int = 1234) -> Iterator[None]:
+    """Patch megatron-core's CUDA-only calls on the model path; restore them on exit."""
+    import importlib
+    import sys
+
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as tutils
+    from megatron.core.transformer.moe import moe_utils
+
+    tracker = CpuRNGStatesTracker()
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 100)
+    saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+
+    device_modules = [importlib.import_module(name) for name in _DEVICE_MODULES]
+    original_mask = tutils.get_default_causal_mask
+    mask_users = [  # transformer.utils itself and every megatron module that imported the function by name
+        m for m in list(sys.modules.values())
+        if getattr(m, "__name__", "").startswith("megatron.") and getattr(m, "get_default_causal_mask", None) is original_mask
+    ]
+    bind_te_gemm = not hasattr(moe_utils, "te_general_gemm")
+
+    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker, True
+    for module in device_modules:
+        module.torch = _TorchOnCpu()
+    for module in mask_users:
+        module.get_default_causal_mask = _cpu_default_causal_mask
+    if bind_te_gemm:
+        moe_utils.te_general_gemm = None
+    try:
+        yield
+    finally:
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
+        for module in device_modules:
+            module.torch = torch
+        for module in mask_users:
+            module.get_default_causal_mask = original_mask
+        if bind_te_gemm:
+            del moe_utils.te_general_gemm
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def gloo_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> Iterator[None]:
+    """torch.distributed on gloo, reachable on 127.0.0.1 only (GLOO_SOCKET_IFNAME=lo while it lives)."""
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process")
+    port = free_port() if port is None else port
+    with _environ(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo"):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=120))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int = 1, ep: int = 1, etp: int | None = None) -> Iterator[None]:
+    """megatron `parallel_state` for TP/EP/ETP sizes over the current process group, destroyed on exit."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        create_gloo_process_groups=False,
+    )
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def megatron_single_process(seed: int = 1234) -> Iterator[None]:
+    """World size 1: gloo group, parallel_state (all sizes 1) and the CPU patches, torn down on exit."""
+    with gloo_process_group(), model_parallel(), megatron_cpu(seed):
+        yield
+
+
+def _spawned(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    result_path = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        with gloo_process_group(rank, world_size, port), megatron_cpu():
+            result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, result_path)
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+        raise
+
+
+def spawn_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; return each rank's result.
+
+    Each process has a gloo group on a free 127.0.0.1 port and the CPU
+    patches; `fn` sets up `model_parallel(...)` itself (several layouts may
+    follow one another). `fn` must be a module-level function and return
+    something `torch.save` can write.
+    """
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="megatron-cpu-") as out_dir:
+        try:
+            mp.spawn(_spawned, args=(fn, world_size, port, out_dir, args), nprocs=world_size, join=True)
+        except Exception as exc:
+            errors = []
+            for rank in range(world_size):
+                path = Path(out_dir) / f"rank{rank}.pt"
+                if path.is_file():
+                    saved = torch.load(path, weights_only=False)
+                    if not saved["ok"]:
+                        errors.append(f"rank {rank}:\n{saved['error']}")
+            raise RuntimeError("spawned megatron workers failed\n" + "\n".join(errors)) from exc
+        return [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False)["result"] for rank in range(world_size)]
