@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
+from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import grpc_method, invalid_argument
@@ -72,14 +74,17 @@ class Reference:
                     raise invalid_argument(f"sequences[{i}].token_ids", f"ids outside the vocabulary "
                                                                         f"(size {scorer.vocab_size})")
                 seqs.append(Sequence(ids, s.prompt_length))
+            t0 = time.perf_counter()
             lps = await asyncio.to_thread(scorer.logprobs, seqs)
+            compute = time.perf_counter() - t0
         return reference_pb2.LogProbsResponse(
-            sequences=[reference_pb2.SequenceLogProbs(logprobs=lp) for lp in lps], model=scorer.model_path)
+            sequences=[reference_pb2.SequenceLogProbs(logprobs=lp) for lp in lps], model=scorer.model_path,
+            compute_seconds=compute)
 
 
 def build(args: dict) -> serve.Application:
-    """Serve application builder: `import_path: services.reference.app:build`."""
-    return Reference.bind(ReferenceArgs.model_validate(args).model_dump())
+    """Serve application builder (`import_path: services.reference.app:build`)."""
+    return build_app(Reference, ReferenceArgs, args)
 
 
-app = Reference.bind({})
+app = build({})

@@ -15,6 +15,7 @@ from functools import lru_cache
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
+from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.rewards.loader import CombinedReward, FunctionSpec
 from rlserve.rewards.scoring import score_batch, specs_from_proto
@@ -66,8 +67,8 @@ class Reward:
 
 
 def build(args: dict) -> serve.Application:
-    """Serve application builder: `import_path: services.reward.app:build`."""
-    return Reward.bind(RewardArgs.model_validate(args).model_dump())
+    """Serve application builder (`import_path: services.reward.app:build`)."""
+    return build_app(Reward, RewardArgs, args)
 
 
-app = Reward.bind({})
+app = build({})

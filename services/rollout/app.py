@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
+from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import failed_precondition, grpc_method, invalid_argument, unavailable
@@ -175,14 +176,16 @@ class Rollout:
                 raise failed_precondition(f"weight version {request.min_weight_version} is not published "
                                           f"(newest: {self.version})")
             version = self.version
+            t0 = time.perf_counter()
             outputs = await asyncio.to_thread(self.engine.generate, prompts, n, sampling)
+            engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[
                 rollout_pb2.Sample(token_ids=s.token_ids, logprobs=s.logprobs,
                                    finish_reason=_FINISH[s.finish_reason], text=s.text) for s in samples])
             for ids, samples in zip(prompts, outputs)]
         return rollout_pb2.GenerateResponse(completions=completions, weight_version=version,
-                                            replica_id=self.replica_id)
+                                            replica_id=self.replica_id, engine_seconds=engine_seconds)
 
     @grpc_method
     async def UpdateWeights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
@@ -227,8 +230,8 @@ class Rollout:
 
 
 def build(args: dict) -> serve.Application:
-    """Serve application builder: `import_path: services.rollout.app:build`."""
-    return Rollout.bind(RolloutArgs.model_validate(args).model_dump())
+    """Serve application builder (`import_path: services.rollout.app:build`)."""
+    return build_app(Rollout, RolloutArgs, args)
 
 
-app = Rollout.bind({})
+app = build({})

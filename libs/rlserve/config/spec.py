@@ -216,8 +216,24 @@ class LossFnCfg(Section):
     truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
     # icepop masks tokens whose weight leaves [ratio_min, ratio]; ratio_min None means 1/ratio.
     truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
+    # GSPO (Zheng et al. 2025): one ratio and one importance weight per sequence (geometric mean
+    # over its tokens), for both the PPO ratio and the generator correction.
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LossFnCfg:
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError("loss_fn.sequence_level_importance_ratios: sequence-level ratios need "
+                             "loss_fn.token_level_loss: false (as in NeMo-RL)")
+        lo, hi = self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio
+        if lo is not None:
+            if self.truncated_importance_sampling_type != "icepop":
+                raise ValueError("loss_fn.truncated_importance_sampling_ratio_min: only used by the icepop type")
+            if hi is not None and lo > hi:
+                raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min: {lo} is above "
+                                 f"truncated_importance_sampling_ratio {hi}")
+        return self
 
 
 class DataCfg(Section):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from rlserve.logs import event
 from rlserve.rewards.interfaces import RewardInput
@@ -28,6 +29,7 @@ def specs_from_proto(functions: list[reward_pb2.RewardFunctionSpec]) -> list[Fun
 
 
 def score_batch(reward: CombinedReward, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+    t0 = time.perf_counter()
     results, errors = [], 0
     for i, item in enumerate(request.items):
         try:
@@ -47,4 +49,5 @@ def score_batch(reward: CombinedReward, request: reward_pb2.ScoreRequest) -> rew
                   error=message)
             results.append(reward_pb2.ScoreResult(id=item.id, score=0.0, status=reward_pb2.SCORE_STATUS_ERROR,
                                                   error=message))
-    return reward_pb2.ScoreResponse(results=results, num_errors=errors, reward_version=reward.version)
+    return reward_pb2.ScoreResponse(results=results, num_errors=errors, reward_version=reward.version,
+                                    compute_seconds=time.perf_counter() - t0)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlserve/v1/reference.proto\x12\nrlserve.v1\":\n\x0eScoredSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\"T\n\x0fLogProbsRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.rlserve.v1.ScoredSequence\x12\x12\n\nmodel_path\x18\x02 \x01(\t\"$\n\x10SequenceLogProbs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"R\n\x10LogProbsResponse\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.rlserve.v1.SequenceLogProbs\x12\r\n\x05model\x18\x02 \x01(\t2R\n\tReference\x12\x45\n\x08LogProbs\x12\x1b.rlserve.v1.LogProbsRequest\x1a\x1c.rlserve.v1.LogProbsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlserve/v1/reference.proto\x12\nrlserve.v1\":\n\x0eScoredSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\"T\n\x0fLogProbsRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.rlserve.v1.ScoredSequence\x12\x12\n\nmodel_path\x18\x02 \x01(\t\"$\n\x10SequenceLogProbs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\"k\n\x10LogProbsResponse\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.rlserve.v1.SequenceLogProbs\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\x32R\n\tReference\x12\x45\n\x08LogProbs\x12\x1b.rlserve.v1.LogProbsRequest\x1a\x1c.rlserve.v1.LogProbsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEQUENCELOGPROBS']._serialized_start=188
   _globals['_SEQUENCELOGPROBS']._serialized_end=224
   _globals['_LOGPROBSRESPONSE']._serialized_start=226
-  _globals['_LOGPROBSRESPONSE']._serialized_end=308
-  _globals['_REFERENCE']._serialized_start=310
-  _globals['_REFERENCE']._serialized_end=392
+  _globals['_LOGPROBSRESPONSE']._serialized_end=333
+  _globals['_REFERENCE']._serialized_start=335
+  _globals['_REFERENCE']._serialized_end=417
 # @@protoc_insertion_point(module_scope)

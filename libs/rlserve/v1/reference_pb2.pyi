@@ -29,9 +29,11 @@ class SequenceLogProbs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LogProbsResponse(_message.Message):
-    __slots__ = ("sequences", "model")
+    __slots__ = ("sequences", "model", "compute_seconds")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceLogProbs]
     model: str
-    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceLogProbs, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+    compute_seconds: float
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceLogProbs, _Mapping]]] = ..., model: _Optional[str] = ..., compute_seconds: _Optional[float] = ...) -> None: ...

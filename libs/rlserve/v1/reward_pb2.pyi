@@ -76,11 +76,13 @@ class ScoreResult(_message.Message):
     def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., status: _Optional[_Union[ScoreStatus, str]] = ..., error: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., info_json: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("results", "num_errors", "reward_version")
+    __slots__ = ("results", "num_errors", "reward_version", "compute_seconds")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_ERRORS_FIELD_NUMBER: _ClassVar[int]
     REWARD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ScoreResult]
     num_errors: int
     reward_version: str
-    def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ..., num_errors: _Optional[int] = ..., reward_version: _Optional[str] = ...) -> None: ...
+    compute_seconds: float
+    def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ..., num_errors: _Optional[int] = ..., reward_version: _Optional[str] = ..., compute_seconds: _Optional[float] = ...) -> None: ...

@@ -50,14 +50,16 @@ class Completion(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("completions", "weight_version", "replica_id")
+    __slots__ = ("completions", "weight_version", "replica_id", "engine_seconds")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     weight_version: int
     replica_id: str
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    engine_seconds: float
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version", "store_name", "safetensors_path", "force")

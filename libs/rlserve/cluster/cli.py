@@ -1,0 +1,99 @@
+"""`deploy/serve`: up, down, status and swap for an rlserve cluster."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlserve.config.errors import SpecError
+
+DEFAULT_CLUSTER = Path(__file__).resolve().parents[3] / "deploy" / "cluster.yaml"
+
+
+def _cluster(path: Path):
+    from rlserve.cluster.config import load_cluster_file
+    from rlserve.cluster.lifecycle import Cluster
+
+    cfg, runs_dir = load_cluster_file(path)
+    return Cluster(cfg, runs_dir)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from rlserve.cluster.lifecycle import up
+
+    cluster = _cluster(args.cluster)
+    print(f"serve: starting {cluster.cfg.name} ({'local head on ' + cluster.cfg.host if not cluster.cfg.address else 'at ' + cluster.cfg.address})", flush=True)
+    up(cluster)
+    print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint} "
+          f"(application metadata: coordinator, rollout, reward, reference, learner)")
+    print(f"serve: runs in {cluster.runs_dir}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from rlserve.cluster.lifecycle import down
+
+    down(_cluster(args.cluster))
+    print("serve: stopped")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rlserve.cluster.lifecycle import status
+
+    rows = status(_cluster(args.cluster))
+    print(f"{'app':<12} {'state':<14} {'version':<11} replicas")
+    for r in rows:
+        replicas = ", ".join(f"{d}={n}" for d, n in r["replicas"].items())
+        print(f"{r['app']:<12} {r['state']:<14} {r['version']:<11} {replicas}"
+              + (f"  ({r['message']})" if r["message"] else ""))
+    return 0 if all(r["state"] == "RUNNING" for r in rows) else 1
+
+
+def cmd_swap(args: argparse.Namespace) -> int:
+    from rlserve.cluster.lifecycle import swap_reward
+
+    if args.service != "reward":
+        print(f"serve: only the reward service can be swapped, not {args.service!r}", file=sys.stderr)
+        return 2
+    app = swap_reward(_cluster(args.cluster), args.target)
+    print(f"serve: reward now runs {app['args']['functions'][0]['import_path']}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from rlserve.cluster.serve_config import serve_config
+
+    cluster = _cluster(args.cluster)
+    print(yaml.safe_dump(serve_config(cluster.cfg, cluster.runs_dir), sort_keys=False), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deploy/serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, helptext in (("up", cmd_up, "start Ray (unless `address` is set) and deploy every service"),
+                               ("down", cmd_down, "stop the services and the local Ray head"),
+                               ("status", cmd_status, "state, version and replicas per application"),
+                               ("config", cmd_config, "print the Serve config derived from the cluster file")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("cluster", type=Path, nargs="?", default=DEFAULT_CLUSTER)
+        p.set_defaults(func=fn)
+    p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
+    p.add_argument("service")
+    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`)")
+    p.add_argument("-c", "--cluster", type=Path, default=DEFAULT_CLUSTER)
+    p.set_defaults(func=cmd_swap)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, ValueError, RuntimeError, TimeoutError) as err:
+        print(f"serve: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

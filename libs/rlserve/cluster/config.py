@@ -1,0 +1,79 @@
+"""The cluster file (`deploy/cluster.yaml`): where Ray runs and what each service gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlserve.config.errors import SpecError, format_validation_error
+
+
+class ServiceCfg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.1, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    env_vars: dict[str, str] = {}
+    # Service-specific arguments (see each services/<name>/app.py *Args class).
+    args: dict[str, Any] = {}
+
+
+def _svc(num_cpus: float, **args: Any) -> ServiceCfg:
+    return ServiceCfg(num_cpus=num_cpus, args=args)
+
+
+class ServicesCfg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout: ServiceCfg = _svc(0.5)
+    reward: ServiceCfg = _svc(0.1)
+    reference: ServiceCfg = _svc(0.25)
+    learner: ServiceCfg = _svc(0.1)
+    coordinator: ServiceCfg = _svc(0.1)
+
+
+class ClusterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "rlserve"
+    # An existing Ray cluster ("host:port"); None: start a local head bound to `host`.
+    address: str | None = None
+    # Interface for every listener rlserve starts (Ray, Serve's gRPC/HTTP, dashboard).
+    # Anything but loopback must be asked for here.
+    host: str = "127.0.0.1"
+    ray_port: int = Field(6380, gt=0, lt=65536)
+    grpc_port: int = Field(9000, gt=0, lt=65536)
+    http_port: int = Field(8000, gt=0, lt=65536)
+    dashboard_port: int = Field(8265, gt=0, lt=65536)
+    # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
+    num_cpus: int | None = Field(None, ge=1)
+    object_store_memory_mb: int = Field(1024, ge=78)
+    # Where runs, cluster state and logs go (relative paths: to the cluster file).
+    runs_dir: str = "../runs"
+    services: ServicesCfg = ServicesCfg()
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1")
+
+    def resolve(self, path: str, base: Path) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (base / p).resolve()
+
+
+def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
+    """Parse and validate; errors name the key path. Returns (config, runs dir)."""
+    if not path.is_file():
+        raise SpecError([f"{path}: no such file"])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        cfg = ClusterFile.model_validate(data)
+    except yaml.YAMLError as err:
+        raise SpecError([f"<root>: not valid YAML: {err}"]) from None
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err, ClusterFile)) from None
+    return cfg, cfg.resolve(cfg.runs_dir, path.parent.resolve())

@@ -1,0 +1,36 @@
+"""Deploy-time resources of one Serve deployment, passed inside each app's builder args.
+
+Keeping them in the builder args (not in code) means one Serve config,
+derived from the cluster file, says everything: KubeRay's RayService takes
+the same `applications:` list.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+
+
+class DeploymentArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.1, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    env_vars: dict[str, str] = {}
+    # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
+    max_surge_percent: int = Field(100, ge=0, le=100)
+
+    def apply(self, deployment: serve.Deployment) -> serve.Deployment:
+        actor_options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.env_vars:
+            actor_options["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        return deployment.options(num_replicas=self.num_replicas, ray_actor_options=actor_options,
+                                  max_surge_percent=self.max_surge_percent)
+
+
+def build_app(deployment: serve.Deployment, args_cls: type[BaseModel], args: dict) -> serve.Application:
+    """The body of every app builder: split off `deployment`, validate the rest, bind."""
+    args = dict(args)
+    resources = DeploymentArgs.model_validate(args.pop("deployment", {}))
+    return resources.apply(deployment).bind(args_cls.model_validate(args).model_dump())

@@ -1,0 +1,222 @@
+"""Bring a cluster up and down, show it, and swap the reward service.
+
+Ray is imported only after the loopback switch is in the environment
+(`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` makes Ray keep a 127.0.0.1 node
+address instead of rewriting it to the machine's external one, which is
+what makes its listeners bind loopback).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlserve.cluster.config import ClusterFile
+from rlserve.cluster.loopback import BIND_HOST_ENV
+from rlserve.cluster.serve_config import APPS, args_version, serve_config
+
+SETUP_HOOK = "rlserve.cluster.loopback.bind_loopback"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    cfg: ClusterFile
+    runs_dir: Path
+
+    @property
+    def state_dir(self) -> Path:
+        return self.runs_dir / ".cluster"
+
+    @property
+    def address(self) -> str:
+        return self.cfg.address or f"{self.cfg.host}:{self.cfg.ray_port}"
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.grpc_port}"
+
+    def env(self) -> dict[str, str]:
+        """Environment for Ray processes and drivers of this cluster."""
+        env = {BIND_HOST_ENV: self.cfg.host, "RAY_USAGE_STATS_ENABLED": "0",
+               # Fixed default ports of Ray's helpers, moved next to ray_port so that two
+               # clusters (say, the demo and the tests) can run on one machine.
+               "AUTOSCALER_METRIC_PORT": str(self.cfg.ray_port + 3),
+               "DASHBOARD_METRIC_PORT": str(self.cfg.ray_port + 4)}
+        if self.cfg.loopback and not self.cfg.address:
+            env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        return env
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def start_head(cluster: Cluster) -> None:
+    """Start `ray start --head --block` in its own session; its pid file lets `down` stop exactly it."""
+    cfg = cluster.cfg
+    if _port_open(cfg.host, cfg.ray_port):
+        raise RuntimeError(f"something already listens on {cfg.host}:{cfg.ray_port} (ray_port); "
+                           f"run `deploy/serve down` for that cluster or pick another ray_port")
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cmd = [ray_bin, "start", "--head", "--block", f"--port={cfg.ray_port}",
+           f"--ray-client-server-port={cfg.ray_port + 1}", f"--dashboard-agent-listen-port={cfg.ray_port + 2}",
+           f"--object-store-memory={cfg.object_store_memory_mb * 2**20}", "--disable-usage-stats"]
+    if cfg.num_cpus:
+        cmd.append(f"--num-cpus={cfg.num_cpus}")
+    if cfg.dashboard_port:
+        cmd += ["--include-dashboard=true", f"--dashboard-host={cfg.host}", f"--dashboard-port={cfg.dashboard_port}"]
+    else:
+        cmd.append("--include-dashboard=false")
+    log = open(cluster.state_dir / "ray-head.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **cluster.env()})
+    (cluster.state_dir / "head.pid").write_text(f"{proc.pid}\n")
+    try:
+        _wait(lambda: _port_open(cfg.host, cfg.ray_port) or proc.poll() is not None, 120, "the Ray head")
+    finally:
+        log.close()
+    if proc.poll() is not None:
+        raise RuntimeError(f"ray start failed (exit {proc.returncode}); see {cluster.state_dir / 'ray-head.log'}")
+
+
+def connect(cluster: Cluster) -> None:
+    """Attach this process to the cluster as a driver whose workers keep listeners on `host`."""
+    os.environ.update(cluster.env())
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
+             runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": cluster.env()})
+
+
+def _serve_start(cluster: Cluster, config: dict[str, Any]) -> None:
+    from ray import serve
+
+    serve.start(proxy_location=config["proxy_location"], http_options=config["http_options"],
+                grpc_options=config["grpc_options"])
+
+
+def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = None, timeout_s: float = 600) -> None:
+    """Deploy (or update) the named applications and wait until they run."""
+    from ray import serve
+    from ray._common.utils import import_attr
+    from ray.serve.config import RunTarget
+
+    apps = [a for a in config["applications"] if only is None or a["name"] in only]
+    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"], route_prefix=None)
+               for a in apps]
+    serve.run_many(targets, wait_for_applications_running=False)
+    names = [a["name"] for a in apps]
+
+    def running() -> bool:
+        status = serve.status().applications
+        failed = {n: status[n].message for n in names if n in status and status[n].status == "DEPLOY_FAILED"}
+        if failed:
+            raise RuntimeError("deploy failed: " + "; ".join(f"{n}: {m}" for n, m in failed.items()))
+        return all(n in status and status[n].status == "RUNNING" for n in names)
+
+    _wait(running, timeout_s, f"applications {', '.join(names)} to run")
+    (cluster.state_dir / "serve_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def up(cluster: Cluster) -> dict[str, Any]:
+    config = serve_config(cluster.cfg, cluster.runs_dir)
+    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    if not cluster.cfg.address:
+        start_head(cluster)
+    connect(cluster)
+    _serve_start(cluster, config)
+    deploy(cluster, config)
+    return config
+
+
+def down(cluster: Cluster) -> None:
+    pid_file = cluster.state_dir / "head.pid"
+    if _port_open(cluster.cfg.host, cluster.cfg.ray_port) or cluster.cfg.address:
+        connect(cluster)
+        from ray import serve
+
+        serve.shutdown()
+    if pid_file.is_file():
+        pid = int(pid_file.read_text())
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _wait(lambda: not _port_open(cluster.cfg.host, cluster.cfg.ray_port), 60, "the Ray head to stop")
+        pid_file.unlink()
+
+
+def current_config(cluster: Cluster) -> dict[str, Any]:
+    path = cluster.state_dir / "serve_config.yaml"
+    if not path.is_file():
+        raise RuntimeError(f"{path}: no deployed config; run `deploy/serve up` first")
+    return yaml.safe_load(path.read_text())
+
+
+def status(cluster: Cluster) -> list[dict[str, Any]]:
+    """Per application: state, replicas per deployment and a version (hash of its args)."""
+    from ray import serve
+
+    connect(cluster)
+    config = current_config(cluster)
+    versions = {a["name"]: args_version(a["args"]) for a in config["applications"]}
+    rows = []
+    for name, app in serve.status().applications.items():
+        replicas = {d: sum(s.replica_states.values()) if s.replica_states else 0
+                    for d, s in app.deployments.items()}
+        rows.append({"app": name, "state": str(app.status), "replicas": replicas,
+                     "version": versions.get(name, "-"), "message": app.message})
+    return rows
+
+
+def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
+    """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`)."""
+    from rlserve.rewards.loader import FunctionSpec, load_function
+
+    path_part, _, attr = target.partition(":")
+    if path_part.endswith(".py"):
+        source = Path(path_part).expanduser().resolve()
+        if not source.is_file():
+            raise ValueError(f"{target}: no such file")
+        # Copied beside the cluster state so the deployed import path keeps working.
+        dest = cluster.state_dir / "rewards" / f"{args_version({'file': source.read_text()})}_{source.name}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, dest)
+        import_path = f"{dest}:{attr or 'reward'}"
+        name = source.stem
+    else:
+        import_path = target
+        name = (attr or target).rsplit(".", 1)[-1]
+    load_function(FunctionSpec.make(name, import_path))  # fail here, not in a replica
+    connect(cluster)
+    config = current_config(cluster)
+    app = next(a for a in config["applications"] if a["name"] == "reward")
+    app["args"]["functions"] = [{"name": name, "import_path": import_path, "weight": 1.0}]
+    deploy(cluster, config, only=["reward"])
+    return app
+
+
+__all__ = ["APPS", "Cluster", "connect", "current_config", "deploy", "down", "status", "swap_reward", "up"]

@@ -1,0 +1,207 @@
+"""The learner Serve application: `rlserve.v1.Learner` over a group of worker actors.
+
+The replica owns one training session at a time (one run): a placement group
+of `cluster.num_workers` bundles and one LearnerWorker per bundle, forming a
+torch.distributed group (gloo on CPU, NCCL on GPU). Calls are serialised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import ray
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlserve.cluster.deployment import build_app
+from rlserve.config import RunSpec, SpecError, load_spec
+from rlserve.logs import event, setup_logging
+from rlserve.models import resolve_model
+from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, not_found, unavailable
+from rlserve.training.batch import TrainBatch
+from rlserve.v1 import learner_pb2
+from rlserve.weights.store import DEFAULT_STORE_NAME
+from services.learner.worker import LearnerWorker
+
+log = logging.getLogger("rlserve.learner")
+_LOSSES = {learner_pb2.LOSS_KIND_GRPO: "grpo", learner_pb2.LOSS_KIND_SFT: "sft"}
+
+
+class LearnerArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_store: str = DEFAULT_STORE_NAME
+    # Seconds to wait for the workers' resources before Configure fails.
+    placement_timeout_s: float = 120.0
+
+
+@dataclass
+class Session:
+    run_id: str
+    spec: RunSpec
+    pg: object
+    workers: list
+    rendezvous: Path
+
+
+def batch_from_proto(request: learner_pb2.TrainStepRequest) -> TrainBatch:
+    seqs = request.sequences
+    if not seqs:
+        raise invalid_argument("sequences", "empty batch")
+    grpo = request.loss == learner_pb2.LOSS_KIND_GRPO
+    try:
+        return TrainBatch.from_sequences(
+            [list(s.token_ids) for s in seqs], [s.prompt_length for s in seqs], [s.advantage for s in seqs],
+            [list(s.generator_logprobs) for s in seqs] if grpo else None,
+            [list(s.reference_logprobs) for s in seqs] if any(s.reference_logprobs for s in seqs) else None)
+    except ValueError as err:
+        raise invalid_argument("sequences", str(err)) from None
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=8)
+class Learner:
+    def __init__(self, args: dict | None = None):
+        setup_logging()
+        self.args = LearnerArgs.model_validate(args or {})
+        self.session: Session | None = None
+        self.lock = asyncio.Lock()
+
+    def _teardown(self) -> None:
+        if self.session is None:
+            return
+        for w in self.session.workers:
+            ray.kill(w)
+        remove_placement_group(self.session.pg)
+        self.session.rendezvous.unlink(missing_ok=True)
+        self.session = None
+
+    def _require(self, run_id: str) -> Session:
+        if self.session is None:
+            raise failed_precondition("the learner is not configured; call Configure first")
+        if run_id != self.session.run_id:
+            raise not_found(f"run {run_id!r} is not configured on this learner (it serves {self.session.run_id!r})")
+        return self.session
+
+    async def _all(self, refs: list) -> list:
+        try:
+            return await asyncio.gather(*refs)
+        except ray.exceptions.RayActorError as err:
+            self._teardown()
+            raise unavailable(f"a learner worker died ({err.__class__.__name__}); call Configure again") from None
+        except ray.exceptions.RayTaskError as err:
+            cause = err.cause if isinstance(err.cause, Exception) else err
+            if isinstance(cause, (ValueError, SpecError)):
+                raise invalid_argument("spec", str(cause).splitlines()[0]) from None
+            raise
+
+    @grpc_method
+    async def Configure(self, request: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
+        if not request.run_id:
+            raise invalid_argument("run_id", "required")
+        try:
+            spec = load_spec(request.spec_yaml)
+        except SpecError as err:
+            raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
+        try:
+            model_path = resolve_model(request.init_model_path or spec.policy.model_name, spec.policy.model_seed)
+        except ValueError as err:
+            raise invalid_argument("init_model_path", str(err)) from None
+        cl = spec.cluster
+        async with self.lock:
+            self._teardown()
+            t0 = time.perf_counter()
+            pg = placement_group([{"CPU": cl.cpus_per_worker, "GPU": cl.gpus_per_worker}] * cl.num_workers,
+                                 strategy="PACK")
+            try:
+                await asyncio.wait_for(pg.ready(), self.args.placement_timeout_s)
+            except asyncio.TimeoutError:
+                remove_placement_group(pg)
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"no room for {cl.num_workers} learner workers of {cl.cpus_per_worker} CPU / "
+                               f"{cl.gpus_per_worker} GPU within {self.args.placement_timeout_s:.0f}s") from None
+            rendezvous = Path(tempfile.mkdtemp(prefix="rlserve-learner-")) / "rendezvous"
+            workers = [LearnerWorker.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cl.torch_threads)}},
+            ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
+                for i in range(cl.num_workers)]
+            self.session = Session(request.run_id, spec, pg, workers, rendezvous)
+            infos = await self._all([w.configure.remote(request.spec_yaml, str(model_path)) for w in workers])
+            info = infos[0]
+            event(log, "learner.configured", run=request.run_id, backend=info.backend, layout=info.parallel_layout,
+                  params=info.num_parameters, device=info.device, seconds=time.perf_counter() - t0)
+            return learner_pb2.ConfigureResponse(backend=info.backend, world_size=info.world_size,
+                                                 parallel_layout=info.parallel_layout,
+                                                 num_parameters=info.num_parameters, weight_version=0,
+                                                 device=info.device)
+
+    @grpc_method
+    async def TrainStep(self, request: learner_pb2.TrainStepRequest,
+                        batch_refs: list | None = None) -> learner_pb2.TrainStepResponse:
+        """Inside the cluster, `batch_refs` holds one ObjectRef of a TrainBatch; gRPC callers send it inline."""
+        loss = _LOSSES.get(request.loss)
+        if loss is None:
+            raise invalid_argument("loss", "must be LOSS_KIND_GRPO or LOSS_KIND_SFT")
+        lr = request.learning_rate if request.HasField("learning_rate") else None
+        if lr is not None and not lr > 0:
+            raise invalid_argument("learning_rate", f"must be > 0, got {lr}")
+        async with self.lock:
+            session = self._require(request.run_id)
+            if batch_refs:
+                ref = batch_refs[0]
+            else:
+                ref = ray.put(batch_from_proto(request))
+            results = await self._all([w.train_step.remote(ref, loss, lr) for w in session.workers])
+            return learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
+
+    @grpc_method
+    async def ExportWeights(self, request: learner_pb2.ExportWeightsRequest) -> learner_pb2.ExportWeightsResponse:
+        store = request.store_name or self.args.weight_store
+        async with self.lock:
+            session = self._require(request.run_id)
+            out = (await self._all([w.export.remote(request.run_id, store) for w in session.workers]))[0]
+            event(log, "learner.weights_published", run=request.run_id, version=out["version"],
+                  buckets=out["buckets"], tensors=out["tensors"], mb=out["bytes"] / 2**20, seconds=out["seconds"])
+            return learner_pb2.ExportWeightsResponse(weight_version=out["version"], num_buckets=out["buckets"],
+                                                     num_tensors=out["tensors"], num_bytes=out["bytes"],
+                                                     seconds=out["seconds"])
+
+    @grpc_method
+    async def SaveCheckpoint(self, request: learner_pb2.SaveCheckpointRequest
+                             ) -> learner_pb2.SaveCheckpointResponse:
+        if not request.path:
+            raise invalid_argument("path", "required")
+        async with self.lock:
+            session = self._require(request.run_id)
+            await self._all([w.save_checkpoint.remote(request.path) for w in session.workers])
+            if request.hf_path:
+                await self._all([w.save_hf.remote(request.hf_path) for w in session.workers])
+            version = await session.workers[0].version.remote()
+            return learner_pb2.SaveCheckpointResponse(path=request.path, weight_version=version)
+
+    @grpc_method
+    async def LoadCheckpoint(self, request: learner_pb2.LoadCheckpointRequest
+                             ) -> learner_pb2.LoadCheckpointResponse:
+        if not (Path(request.path) / "extra.pt").is_file():
+            raise invalid_argument("path", f"{request.path} is not a learner checkpoint")
+        async with self.lock:
+            session = self._require(request.run_id)
+            versions = await self._all([w.load_checkpoint.remote(request.path) for w in session.workers])
+            return learner_pb2.LoadCheckpointResponse(weight_version=versions[0])
+
+
+def build(args: dict) -> serve.Application:
+    """Serve application builder (`import_path: services.learner.app:build`)."""
+    return build_app(Learner, LearnerArgs, args)
+
+
+app = build({})

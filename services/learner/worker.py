@@ -1,0 +1,75 @@
+"""One learner rank as a Ray actor: a thin host around a Ray-free backend.
+
+The actor sets up torch.distributed, builds the backend and forwards calls;
+the only Ray-specific work here is putting exported weight buckets into the
+object store and publishing them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from rlserve.config import load_spec
+from rlserve.training.batch import TrainBatch
+from rlserve.training.distributed import device_for, init_process_group
+from rlserve.weights.buckets import iter_buckets, tensor_bytes
+from rlserve.weights.store import get_store
+from services.learner.backends import make_backend
+from services.learner.interfaces import BackendInfo, StepResult
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@ray.remote
+class LearnerWorker:
+    def __init__(self, rank: int, world_size: int, init_method: str, device: str, torch_threads: int):
+        torch.set_num_threads(torch_threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
+        self.rank = rank
+        self.device = device_for(device, local_rank=0)  # Ray gives each worker its own visible GPU
+        init_process_group(rank, world_size, init_method, self.device)
+        self.backend = None
+
+    def configure(self, spec_yaml: str, model_path: str) -> BackendInfo:
+        spec = load_spec(spec_yaml)
+        torch.manual_seed(spec.grpo.seed)
+        self.backend = make_backend(spec, Path(model_path), self.device)
+        self.spec = spec
+        return self.backend.info()
+
+    def train_step(self, batch: TrainBatch, loss: str, lr: float | None) -> StepResult:
+        return self.backend.train_step(batch, loss, lr)
+
+    def export(self, run_id: str, store_name: str) -> dict:
+        """Stream HF-named tensors into bounded buckets; rank 0 puts them and publishes the version."""
+        t0 = time.perf_counter()
+        gen = self.spec.policy.generation.vllm_cfg.precision
+        max_bytes = self.spec.policy.refit_buffer_size_mb * 2**20
+        refs, n_tensors, n_bytes = [], 0, 0
+        for bucket in iter_buckets(self.backend.export_weights(_DTYPES[gen]), max_bytes):
+            if self.rank == 0:
+                refs.append(ray.put(bucket))
+                n_tensors += len(bucket)
+                n_bytes += sum(tensor_bytes(t) for t in bucket.values())
+        version = self.backend.version
+        if self.rank == 0:
+            ray.get(get_store(store_name).publish.remote(run_id, version, refs, n_tensors, n_bytes))
+        return {"version": version, "buckets": len(refs), "tensors": n_tensors, "bytes": n_bytes,
+                "seconds": time.perf_counter() - t0}
+
+    def save_checkpoint(self, path: str) -> None:
+        self.backend.save_checkpoint(Path(path))
+
+    def load_checkpoint(self, path: str) -> int:
+        return self.backend.load_checkpoint(Path(path))
+
+    def save_hf(self, path: str) -> None:
+        self.backend.save_hf(Path(path))
+
+    def version(self) -> int:
+        return self.backend.version
