@@ -40,6 +40,10 @@ def not_found(what: str) -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, what)
 
 
+def already_exists(what: str) -> RpcError:
+    return RpcError(grpc.StatusCode.ALREADY_EXISTS, what)
+
+
 def failed_precondition(problem: str) -> RpcError:
     return RpcError(grpc.StatusCode.FAILED_PRECONDITION, problem)
 
@@ -55,6 +59,8 @@ def _status(err: BaseException) -> RpcError:
     cause = getattr(err, "cause", None)
     if isinstance(cause, RpcError):
         return cause
+    if isinstance(cause, BaseException):  # a Ray task error: report what the task raised
+        err = cause
     return RpcError(grpc.StatusCode.INTERNAL, f"{type(err).__name__}: {err}".splitlines()[0][:500])
 
 

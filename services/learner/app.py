@@ -50,6 +50,9 @@ class Session:
     pg: object
     workers: list
     rendezvous: Path
+    version: int = 0
+    # (version before, response) of the last step, to answer a retried step without training twice.
+    last_step: tuple[int, learner_pb2.TrainStepResponse] | None = None
 
 
 def batch_from_proto(request: learner_pb2.TrainStepRequest) -> TrainBatch:
@@ -156,12 +159,18 @@ class Learner:
             raise invalid_argument("learning_rate", f"must be > 0, got {lr}")
         async with self.lock:
             session = self._require(request.run_id)
-            if batch_refs:
-                ref = batch_refs[0]
-            else:
-                ref = ray.put(batch_from_proto(request))
+            if request.HasField("expected_weight_version") and request.expected_weight_version != session.version:
+                last = session.last_step
+                if last is not None and last[0] == request.expected_weight_version:
+                    return last[1]
+                raise failed_precondition(f"step expects weight version {request.expected_weight_version}, "
+                                          f"the learner is at {session.version}")
+            ref = batch_refs[0] if batch_refs else ray.put(batch_from_proto(request))
             results = await self._all([w.train_step.remote(ref, loss, lr) for w in session.workers])
-            return learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
+            response = learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
+            session.last_step = (session.version, response)
+            session.version = results[0].version
+            return response
 
     @grpc_method
     async def ExportWeights(self, request: learner_pb2.ExportWeightsRequest) -> learner_pb2.ExportWeightsResponse:
@@ -196,6 +205,7 @@ class Learner:
         async with self.lock:
             session = self._require(request.run_id)
             versions = await self._all([w.load_checkpoint.remote(request.path) for w in session.workers])
+            session.version, session.last_step = versions[0], None
             return learner_pb2.LoadCheckpointResponse(weight_version=versions[0])
 
 

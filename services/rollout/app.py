@@ -21,7 +21,7 @@ from ray import serve
 from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
-from rlserve.rpc import failed_precondition, grpc_method, invalid_argument, unavailable
+from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, unavailable
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME, Publication, get_store
@@ -91,7 +91,12 @@ class Rollout:
         # A (re)started replica catches up with the newest publication before serving.
         latest = ray.get(self.store.latest.remote())
         if latest is not None:
-            self._apply(latest)
+            try:
+                self._apply(latest)
+            except RpcError as err:  # serve the deployed weights until the next publication
+                self.publish_id = latest.publish_id
+                event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id,
+                      version=latest.version, error=err.message)
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
               version=self.version, fingerprint=self.fingerprint)
 
@@ -120,10 +125,13 @@ class Rollout:
         if problems:
             raise invalid_argument("weights", "; ".join(problems[:5]))
         t1 = time.perf_counter()
-        if tensors is None:
-            self.engine.load_weights_from_path(Path(pub.safetensors_path))
-        else:
-            self.engine.load_weights(tensors.items())
+        try:
+            if tensors is None:
+                self.engine.load_weights_from_path(Path(pub.safetensors_path))
+            else:
+                self.engine.load_weights(tensors.items())
+        except ValueError as err:
+            raise failed_precondition(str(err)) from None
         t2 = time.perf_counter()
         self.publish_id, self.run_id, self.version = pub.publish_id, pub.run_id, pub.version
         event(log, "rollout.weights_applied", replica=self.replica_id, run=pub.run_id or None,

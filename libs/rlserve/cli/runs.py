@@ -1,9 +1,126 @@
-"""Client commands over gRPC: submit, and runs list|get|cancel|watch (filled in by the coordinator work)."""
+"""Client commands over gRPC: `rlserve submit` and `rlserve runs list|get|cancel|watch`."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+import grpc
+
+from rlserve.clients.coordinator import CoordinatorClient, default_endpoint
+from rlserve.v1 import coordinator_pb2 as pb
+
+_STATE = {v: pb.RunState.Name(v).removeprefix("RUN_STATE_").lower() for v in pb.RunState.values()}
+_QUIET_KINDS = {pb.EVENT_KIND_STEP, pb.EVENT_KIND_WEIGHT_SYNC}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    del sub
+    p = sub.add_parser("submit", help="submit a run spec to the coordinator")
+    p.add_argument("spec", type=Path, nargs="?")
+    p.add_argument("--watch", action="store_true", help="follow the run until it ends (exit 1 if it fails)")
+    p.add_argument("--run-id", default="")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue RUN_ID from its last checkpoint")
+    p.add_argument("--endpoint", default=None, help=f"coordinator gRPC endpoint (default {default_endpoint()})")
+    p.set_defaults(func=submit)
+
+    runs = sub.add_parser("runs", help="list, inspect, cancel or watch runs")
+    runs.add_argument("action", choices=["list", "get", "cancel", "watch"])
+    runs.add_argument("run_id", nargs="?")
+    runs.add_argument("--endpoint", default=None)
+    runs.add_argument("-v", "--verbose", action="store_true", help="watch: print every event")
+    runs.set_defaults(func=runs_cmd)
+
+
+def _fail(err: grpc.RpcError) -> int:
+    print(f"rlserve: {err.code().name}: {err.details()}", file=sys.stderr)
+    return 2
+
+
+def submit(args: argparse.Namespace) -> int:
+    if args.resume:
+        spec_yaml, run_id = "", args.resume
+    else:
+        if args.spec is None or not args.spec.is_file():
+            print(f"rlserve: give a spec file (got {args.spec})", file=sys.stderr)
+            return 2
+        spec_yaml, run_id = args.spec.read_text(), args.run_id
+    with CoordinatorClient(args.endpoint) as client:
+        try:
+            run = client.submit(spec_yaml, run_id=run_id, resume=bool(args.resume))
+        except grpc.RpcError as err:
+            return _fail(err)
+        print(f"run {run.run_id}: {_STATE[run.state]} (run directory {run.run_dir})", flush=True)
+        if not args.watch:
+            return 0
+        return watch(client, run.run_id, verbose=False)
+
+
+def _describe(run: pb.Run) -> str:
+    ledger = run.ledger
+    dropped = ", ".join(f"{k}={v}" for k, v in sorted(ledger.dropped.items())) or "none"
+    lines = [f"run {run.run_id} ({run.name}): {_STATE[run.state]}, step {run.step}/{run.max_steps}, "
+             f"weight version {run.weight_version}",
+             f"  ledger: generated {ledger.generated}, scored {ledger.scored}, trained {ledger.trained}, "
+             f"dropped {dropped}, in flight {ledger.in_flight}",
+             f"  run directory: {run.run_dir}"]
+    if run.error:
+        lines.append(f"  error: {run.error}")
+    if run.final_model_path:
+        lines.append(f"  final model: {run.final_model_path}")
+    if run.plot_path:
+        lines.append(f"  reward plot: {run.plot_path}")
+    return "\n".join(lines)
+
+
+def watch(client: CoordinatorClient, run_id: str, verbose: bool) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=False)
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    try:
+        with Progress(*columns, console=console, transient=False) as progress:
+            run = client.get(run_id)
+            task = progress.add_task("GRPO", total=run.max_steps, completed=run.step, info="")
+            for ev in client.watch(run_id):
+                m = ev.metrics
+                if ev.kind == pb.EVENT_KIND_STEP:
+                    info = " ".join(f"{label} {m[key]:.3f}" for key, label in (
+                        ("reward/mean", "reward"), ("val/reward", "held-out"), ("policy/reference_kl", "kl"),
+                        ("timing/step_s", "step_s")) if key in m)
+                    progress.update(task, completed=ev.step, info=info)
+                if verbose or ev.kind not in _QUIET_KINDS:
+                    kind = pb.EventKind.Name(ev.kind).removeprefix("EVENT_KIND_").lower()
+                    progress.console.print(f"[dim]step {ev.step:>4}[/dim] {kind:<11} {ev.message}")
+        run = client.get(run_id)
+    except grpc.RpcError as err:
+        return _fail(err)
+    print(_describe(run))
+    initial, final = run.last_metrics.get("val/reward_initial"), run.last_metrics.get("val/reward")
+    if run.state == pb.RUN_STATE_SUCCEEDED and initial is not None and final is not None:
+        print(f"held-out reward: before {initial:.2f} after {final:.2f}")
+    return 0 if run.state == pb.RUN_STATE_SUCCEEDED else 1
+
+
+def runs_cmd(args: argparse.Namespace) -> int:
+    if args.action != "list" and not args.run_id:
+        print(f"rlserve: runs {args.action} needs a RUN_ID", file=sys.stderr)
+        return 2
+    with CoordinatorClient(args.endpoint) as client:
+        try:
+            if args.action == "list":
+                for run in client.list():
+                    print(f"{run.run_id:<40} {_STATE[run.state]:<10} step {run.step}/{run.max_steps}")
+                return 0
+            if args.action == "get":
+                print(_describe(client.get(args.run_id)))
+                return 0
+            if args.action == "cancel":
+                run = client.cancel(args.run_id)
+                print(f"run {run.run_id}: {_STATE[run.state]}")
+                return 0
+        except grpc.RpcError as err:
+            return _fail(err)
+        return watch(client, args.run_id, args.verbose)

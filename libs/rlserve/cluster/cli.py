@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -16,7 +17,10 @@ def _cluster(path: Path):
     from rlserve.cluster.lifecycle import Cluster
 
     cfg, runs_dir = load_cluster_file(path)
-    return Cluster(cfg, runs_dir)
+    cluster = Cluster(cfg, runs_dir)
+    # Before anything imports Ray: it reads the loopback switch at import time.
+    os.environ.update(cluster.env())
+    return cluster
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -48,7 +48,8 @@ class ClusterFile(BaseModel):
     ray_port: int = Field(6380, gt=0, lt=65536)
     grpc_port: int = Field(9000, gt=0, lt=65536)
     http_port: int = Field(8000, gt=0, lt=65536)
-    dashboard_port: int = Field(8265, gt=0, lt=65536)
+    # Ray dashboard on `host` (None: no dashboard).
+    dashboard_port: int | None = Field(None, gt=0, lt=65536)
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int = Field(1024, ge=78)

@@ -71,9 +71,24 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def _head_pid(cluster: Cluster) -> int | None:
+    """The pid of the head this cluster file started, if it still runs."""
+    pid_file = cluster.state_dir / "head.pid"
+    if not pid_file.is_file():
+        return None
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
 def start_head(cluster: Cluster) -> None:
     """Start `ray start --head --block` in its own session; its pid file lets `down` stop exactly it."""
     cfg = cluster.cfg
+    if _head_pid(cluster) is not None and _port_open(cfg.host, cfg.ray_port):
+        return  # already up (a re-run of `up` redeploys onto it)
     if _port_open(cfg.host, cfg.ray_port):
         raise RuntimeError(f"something already listens on {cfg.host}:{cfg.ray_port} (ray_port); "
                            f"run `deploy/serve down` for that cluster or pick another ray_port")
@@ -122,10 +137,10 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
     """Deploy (or update) the named applications and wait until they run."""
     from ray import serve
     from ray._common.utils import import_attr
-    from ray.serve.config import RunTarget
+    from ray.serve import RunTarget
 
     apps = [a for a in config["applications"] if only is None or a["name"] in only]
-    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"], route_prefix=None)
+    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"], route_prefix=a["route_prefix"])
                for a in apps]
     serve.run_many(targets, wait_for_applications_running=False)
     names = [a["name"] for a in apps]
@@ -153,20 +168,32 @@ def up(cluster: Cluster) -> dict[str, Any]:
 
 
 def down(cluster: Cluster) -> None:
-    pid_file = cluster.state_dir / "head.pid"
     if _port_open(cluster.cfg.host, cluster.cfg.ray_port) or cluster.cfg.address:
         connect(cluster)
         from ray import serve
 
         serve.shutdown()
-    if pid_file.is_file():
-        pid = int(pid_file.read_text())
+    pid = _head_pid(cluster)
+    if pid is not None:
+        _stop_group(pid)
+    (cluster.state_dir / "head.pid").unlink(missing_ok=True)
+
+
+def _stop_group(pgid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM the head's process group (ray start and every process it spawned), SIGKILL stragglers."""
+    def alive() -> bool:
         try:
-            os.killpg(pid, signal.SIGTERM)
+            os.killpg(pgid, 0)
+            return True
         except ProcessLookupError:
-            pass
-        _wait(lambda: not _port_open(cluster.cfg.host, cluster.cfg.ray_port), 60, "the Ray head to stop")
-        pid_file.unlink()
+            return False
+
+    os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if alive():
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def current_config(cluster: Cluster) -> dict[str, Any]:
@@ -178,16 +205,16 @@ def current_config(cluster: Cluster) -> dict[str, Any]:
 
 def status(cluster: Cluster) -> list[dict[str, Any]]:
     """Per application: state, replicas per deployment and a version (hash of its args)."""
+    connect(cluster)
     from ray import serve
 
-    connect(cluster)
     config = current_config(cluster)
     versions = {a["name"]: args_version(a["args"]) for a in config["applications"]}
     rows = []
     for name, app in serve.status().applications.items():
         replicas = {d: sum(s.replica_states.values()) if s.replica_states else 0
                     for d, s in app.deployments.items()}
-        rows.append({"app": name, "state": str(app.status), "replicas": replicas,
+        rows.append({"app": name, "state": getattr(app.status, "value", str(app.status)), "replicas": replicas,
                      "version": versions.get(name, "-"), "message": app.message})
     return rows
 

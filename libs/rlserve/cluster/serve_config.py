@@ -38,7 +38,8 @@ def serve_config(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
         "proxy_location": "HeadOnly",
         "http_options": {"host": cfg.host, "port": cfg.http_port},
         "grpc_options": {"port": cfg.grpc_port, "grpc_servicer_functions": SERVICERS},
-        "applications": [{"name": name, "import_path": path, "route_prefix": None,
+        # Every app needs a route prefix: Serve's gRPC proxy only routes to apps that have one.
+        "applications": [{"name": name, "import_path": path, "route_prefix": f"/{name}",
                           "args": app_args(cfg, name, runs_dir)} for name, path in APPS.items()],
     }
 

@@ -110,7 +110,8 @@ class PolicyCfg(Section):
     model_name: str = "preset:tiny"
     model_seed: int = 0
     precision: Literal["float32", "bfloat16"] = "float32"
-    # Sequences per optimizer step; None: the whole GRPO batch in one step.
+    # Sequences per optimizer update; None: the whole GRPO batch in one update. Steps whose
+    # batch shrank (dropped groups) end with a smaller update.
     train_global_batch_size: int | None = Field(None, ge=1)
     train_micro_batch_size: int = Field(64, ge=1)
     max_total_sequence_length: int = Field(128, ge=8)
@@ -335,12 +336,6 @@ class RunSpec(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
-        batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
-        gbs = self.policy.train_global_batch_size
-        if gbs is not None and batch % gbs:
-            raise ValueError(
-                f"policy.train_global_batch_size: {gbs} must divide grpo.num_prompts_per_step * "
-                f"grpo.num_generations_per_prompt ({batch})")
         gen = self.policy.generation
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(

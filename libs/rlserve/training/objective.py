@@ -27,10 +27,8 @@ class StepObjective:
         n = batch.num_seqs
         gbs = spec.policy.train_global_batch_size if loss == "grpo" else None
         gbs = gbs or n
-        if n % gbs:
-            raise ValueError(f"the batch of {n} sequences is not a multiple of policy.train_global_batch_size "
-                             f"({gbs})")
-        minibatches = [list(range(k, k + gbs)) for k in range(0, n, gbs)]
+        # Dropped groups make batches smaller than nominal: the last update may take fewer sequences.
+        minibatches = [list(range(k, min(k + gbs, n))) for k in range(0, n, gbs)]
         packing = spec.policy.sequence_packing
         self.plans: list[list[MicroBatch]] = [
             rank_micro_batches(batch, idx, dp_rank, dp_size, packed=packing.enabled,

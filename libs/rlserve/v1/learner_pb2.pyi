@@ -57,16 +57,18 @@ class TrainSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., advantage: _Optional[float] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("run_id", "loss", "sequences", "learning_rate")
+    __slots__ = ("run_id", "loss", "sequences", "learning_rate", "expected_weight_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     loss: LossKind
     sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
     learning_rate: float
-    def __init__(self, run_id: _Optional[str] = ..., loss: _Optional[_Union[LossKind, str]] = ..., sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    expected_weight_version: int
+    def __init__(self, run_id: _Optional[str] = ..., loss: _Optional[_Union[LossKind, str]] = ..., sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., expected_weight_version: _Optional[int] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("weight_version", "metrics")

@@ -39,9 +39,11 @@ class WeightStore:
 
     def publish(self, run_id: str, version: int, bucket_refs: list[Any], num_tensors: int, num_bytes: int,
                 safetensors_path: str | None = None) -> int:
+        """Take ownership of the buckets (one copy), so that a version outlives the learner worker
+        that exported it: a rollout replica restarting after the learner moved on can still load it."""
+        owned = [ray.put(bucket) for bucket in ray.get(list(bucket_refs))]
         publish_id = (self._head.publish_id if self._head else 0) + 1
-        self._head = Publication(publish_id, run_id, version, num_tensors, num_bytes, safetensors_path,
-                                 list(bucket_refs))
+        self._head = Publication(publish_id, run_id, version, num_tensors, num_bytes, safetensors_path, owned)
         return publish_id
 
     def head(self) -> tuple[int, str, int] | None:

@@ -1,0 +1,7 @@
+"""`python -m rlserve.cli`."""
+
+import sys
+
+from rlserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,54 @@
+"""A typed gRPC client of the coordinator (through Serve's gRPC proxy)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import grpc
+
+from rlserve.v1 import coordinator_pb2 as pb
+from rlserve.v1 import coordinator_pb2_grpc
+
+DEFAULT_ENDPOINT = "127.0.0.1:9000"
+ENDPOINT_ENV = "RLSERVE_ENDPOINT"
+
+
+def default_endpoint() -> str:
+    return os.environ.get(ENDPOINT_ENV, DEFAULT_ENDPOINT)
+
+
+class CoordinatorClient:
+    def __init__(self, endpoint: str | None = None, application: str = "coordinator"):
+        self.endpoint = endpoint or default_endpoint()
+        self.channel = grpc.insecure_channel(self.endpoint)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.metadata = (("application", application),)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(self, spec_yaml: str, run_id: str = "", resume: bool = False) -> pb.Run:
+        req = pb.SubmitRunRequest(spec_yaml=spec_yaml, run_id=run_id, resume=resume)
+        return self.stub.SubmitRun(req, metadata=self.metadata, timeout=300).run
+
+    def get(self, run_id: str) -> pb.Run:
+        return self.stub.GetRun(pb.GetRunRequest(run_id=run_id), metadata=self.metadata, timeout=30).run
+
+    def list(self) -> list[pb.Run]:
+        return list(self.stub.ListRuns(pb.ListRunsRequest(), metadata=self.metadata, timeout=30).runs)
+
+    def cancel(self, run_id: str) -> pb.Run:
+        return self.stub.CancelRun(pb.CancelRunRequest(run_id=run_id), metadata=self.metadata, timeout=60).run
+
+    def watch(self, run_id: str, from_sequence: int = 0) -> Iterator[pb.RunEvent]:
+        stream = self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=from_sequence),
+                                    metadata=self.metadata)
+        for resp in stream:
+            yield resp.event

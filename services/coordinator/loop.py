@@ -1,0 +1,295 @@
+"""The async GRPO loop of one run.
+
+A producer keeps generation ahead of training: it generates step k's groups
+as soon as the trainer has finished step k - max_age (with max_age =
+`grpo.async_grpo.max_trajectory_age_steps`, 0 when async is off), so with
+max_age 0 the loop is plain synchronous on-policy GRPO and with max_age >= 1
+generation for step k overlaps training of step k - 1. The trainer takes
+one step's groups, drops the stale, errored and signal-less ones (counted in
+the ledger), computes group-relative advantages, trains, and publishes the
+new weights to the rollout service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from rlserve.algorithms.advantages import group_advantages, zero_variance_groups
+from rlserve.data.dataset import PromptSampler, build_splits
+from rlserve.models import resolve_model
+from rlserve.training.batch import TrainBatch
+from rlserve.v1 import coordinator_pb2 as pb
+from rlserve.v1 import learner_pb2, rollout_pb2
+from services.coordinator import checkpoints
+from services.coordinator.buffer import Group, ReplayBuffer
+from services.coordinator.calls import RetryPolicy, ServiceCalls
+from services.coordinator.rollouts import PromptTokenizer, evaluate, rollout_groups
+from services.coordinator.runs import Run
+from services.coordinator.sft import sft_warm_start
+from services.coordinator.sync import sync_weights
+
+log = logging.getLogger("rlserve.coordinator")
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    apps: dict[str, str]
+    weight_store: str
+    retry: RetryPolicy
+    watchdog_timeout_s: float
+
+
+class Context:
+    """Everything one run's tasks share."""
+
+    def __init__(self, run: Run, calls: ServiceCalls, settings: LoopSettings):
+        spec = run.spec
+        self.run, self.spec, self.calls, self.settings = run, spec, calls, settings
+        self.model_path = resolve_model(spec.policy.model_name, spec.policy.model_seed)
+        self.tok = PromptTokenizer(self.model_path)
+        self.splits = build_splits(spec.data)
+        self.val_examples = self.splits.val[: spec.grpo.max_val_samples]
+        self.sampler = PromptSampler(self.splits.train, spec.data.seed)
+        self.buffer = ReplayBuffer()
+        self.max_age = spec.grpo.max_age
+        # The GRPO phase starts from this policy (the SFT output when warm-starting); it is also the reference.
+        self.init_model = self.model_path
+        self.produced_steps = 0  # steps whose groups are in the buffer or trained
+        self.trainer_step = 0  # steps the trainer has finished (trained or skipped)
+        self.trainer_moved = asyncio.Condition()
+        self.reward_version: str | None = None
+        self.timings: dict[int, dict[str, float]] = {}
+        self.last_progress = time.monotonic()
+        self.initial_val: float | None = None
+
+    def progress(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def emit(self, kind: int, message: str, metrics: dict[str, float] | None = None) -> None:
+        self.run.emit(kind, message, metrics)
+
+
+# --- validation ---------------------------------------------------------------------------
+
+
+async def validate(ctx: Context, step: int) -> dict[str, float]:
+    metrics = await evaluate(ctx.calls, ctx.spec, ctx.run.run_id, ctx.tok, ctx.val_examples, ctx.run.version)
+    if ctx.initial_val is None:
+        ctx.initial_val = metrics["val/reward"]
+    metrics["val/reward_initial"] = ctx.initial_val
+    ctx.emit(pb.EVENT_KIND_VALIDATION, f"held-out reward {metrics['val/reward']:.3f} at step {step} "
+             f"(version {ctx.run.version}, {len(ctx.val_examples)} prompts)", metrics)
+    ctx.progress()
+    return metrics
+
+
+# --- producer ---------------------------------------------------------------------------
+
+
+async def produce(ctx: Context) -> None:
+    """Generate each step's groups as soon as the staleness bound allows."""
+    spec = ctx.spec
+    while ctx.produced_steps < spec.grpo.max_num_steps:
+        step = ctx.produced_steps
+        async with ctx.trainer_moved:
+            await ctx.trainer_moved.wait_for(lambda: ctx.trainer_step >= step - ctx.max_age)
+        first = ctx.sampler.epoch * len(ctx.splits.train) + ctx.sampler.index
+        examples = ctx.sampler.take(spec.grpo.num_prompts_per_step)
+        groups, reward_version, timings = await rollout_groups(
+            ctx.calls, spec, ctx.run.run_id, ctx.tok, examples, first, step, ctx.run.version, str(ctx.init_model))
+        n = sum(g.size for g in groups)
+        ctx.run.ledger.generated += n
+        ctx.run.ledger.scored += n
+        if ctx.reward_version is not None and reward_version != ctx.reward_version:
+            ctx.emit(pb.EVENT_KIND_REWARD_SWAP, f"reward service changed: {ctx.reward_version} -> {reward_version}")
+        ctx.reward_version = reward_version
+        ctx.timings[step] = timings.metrics()
+        ctx.produced_steps += 1
+        await ctx.buffer.put(groups)
+        ctx.progress()
+
+
+# --- trainer ----------------------------------------------------------------------------
+
+
+def drop(ctx: Context, groups: list[Group], reason: str) -> None:
+    if not groups:
+        return
+    n = sum(g.size for g in groups)
+    ctx.run.ledger.drop(reason, n)
+    ctx.emit(pb.EVENT_KIND_DROPPED, f"dropped {len(groups)} groups ({n} trajectories): {reason}",
+             {f"dropped/{reason}": float(n)})
+
+
+def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool) -> TrainBatch:
+    seqs, prompt_lens, advs, gen_lps, ref_lps = [], [], [], [], []
+    for g, adv in zip(groups, advantages.tolist()):
+        for j, completion in enumerate(g.completions):
+            seqs.append(g.prompt_ids + completion)
+            prompt_lens.append(len(g.prompt_ids))
+            advs.append(adv[j])
+            gen_lps.append(g.gen_logprobs[j])
+            if with_reference:
+                ref_lps.append(g.ref_logprobs[j])
+    return TrainBatch.from_sequences(seqs, prompt_lens, advs, gen_lps, ref_lps if with_reference else None)
+
+
+async def train_step(ctx: Context, step: int) -> dict[str, float]:
+    """One GRPO step: take groups -> filter -> advantages -> train -> sync weights."""
+    spec, ledger = ctx.spec, ctx.run.ledger
+    t0 = time.perf_counter()
+    version = ctx.run.version
+
+    # 1. This step's groups; the stale ones (older than the bound) are dropped, never trained.
+    fresh, stale = await ctx.buffer.take(spec.grpo.num_prompts_per_step, version, ctx.max_age)
+    wait_s = time.perf_counter() - t0
+    drop(ctx, stale, "stale")
+    errored = [g for g in fresh if g.reward_errors]
+    drop(ctx, errored, "reward_error")
+    scored = [g for g in fresh if not g.reward_errors]
+    rewards = torch.tensor([g.rewards for g in scored], dtype=torch.float32).reshape(len(scored), -1)
+
+    # 2. Group-relative advantages; groups whose samples all scored alike carry no signal.
+    metrics = {"reward/mean": rewards.mean().item() if rewards.numel() else float("nan"),
+               "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+               "reward/max": rewards.max().item() if rewards.numel() else float("nan"),
+               "batch/staleness_mean": sum(version - g.weight_version for g in fresh) / max(1, len(fresh)),
+               "batch/staleness_max": float(max((version - g.weight_version for g in fresh), default=0)),
+               "timing/wait_for_rollouts_s": wait_s}
+    keep = torch.ones(len(scored), dtype=torch.bool)
+    if spec.grpo.skip_zero_advantage_groups and len(scored):
+        keep = ~zero_variance_groups(rewards)
+        drop(ctx, [g for g, k in zip(scored, keep.tolist()) if not k], "zero_advantage")
+    trainable = [g for g, k in zip(scored, keep.tolist()) if k]
+    metrics["batch/groups_trained"] = float(len(trainable))
+    if not trainable:
+        ctx.emit(pb.EVENT_KIND_INFO, f"step {step}: no group with a reward signal; no update")
+        return metrics
+    advantages = group_advantages(rewards[keep], spec.grpo.normalize_rewards, spec.grpo.use_leave_one_out_baseline)
+
+    # 3. Train on the batch, passed to the learner through the object store.
+    batch = build_batch(trainable, advantages, spec.loss_fn.reference_policy_kl_penalty > 0)
+    t1 = time.perf_counter()
+    result = await ctx.calls.train_step(learner_pb2.TrainStepRequest(
+        run_id=ctx.run.run_id, loss=learner_pb2.LOSS_KIND_GRPO, expected_weight_version=version), ray.put(batch))
+    train_s = time.perf_counter() - t1
+    ledger.train(batch.num_seqs)
+    metrics.update(result.metrics)
+    metrics["timing/train_s"] = train_s
+    metrics["plumbing/train_s"] = train_s - result.metrics.get("perf/learner_step_seconds", train_s)
+
+    # 4. New weights to the generator.
+    metrics.update(await sync_weights(ctx))
+    metrics["timing/step_s"] = time.perf_counter() - t0
+    return metrics
+
+
+async def train(ctx: Context) -> None:
+    spec, run = ctx.spec, ctx.run
+    for step in range(ctx.trainer_step, spec.grpo.max_num_steps):
+        metrics = await train_step(ctx, step)
+        metrics.update(ctx.timings.pop(step, {}))
+        last = step + 1 == spec.grpo.max_num_steps
+        if spec.grpo.val_period and ((step + 1) % spec.grpo.val_period == 0 or last):
+            metrics.update(await validate(ctx, step + 1))
+        run.step = step + 1
+        async with ctx.trainer_moved:
+            ctx.trainer_step = step + 1
+            ctx.trainer_moved.notify_all()
+        run.last_metrics = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        run.recorder.metrics(step + 1, metrics)
+        ctx.emit(pb.EVENT_KIND_STEP, f"step {step + 1}/{spec.grpo.max_num_steps}", metrics)
+        ctx.progress()
+        if spec.checkpointing.enabled and ((step + 1) % spec.checkpointing.save_period == 0) and not last:
+            await checkpoints.save(ctx, step + 1)
+        run.save()
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+async def setup(ctx: Context) -> None:
+    """Configure the learner (resuming, or after an SFT warm start), publish version 0, validate."""
+    run, spec = ctx.run, ctx.spec
+    resumed = run.resume and await checkpoints.restore(ctx)
+    if not resumed:
+        if spec.sft.enabled:
+            ctx.init_model = await sft_warm_start(ctx)
+        info = await ctx.calls.configure(learner_pb2.ConfigureRequest(
+            run_id=run.run_id, spec_yaml=run.run_dir.joinpath("spec.yaml").read_text(),
+            init_model_path=str(ctx.init_model)))
+        ctx.emit(pb.EVENT_KIND_INFO, f"learner ready: {info.backend} backend, {info.parallel_layout}, "
+                 f"{info.num_parameters / 1e6:.2f}M parameters on {info.device}")
+    await sync_weights(ctx)
+    if spec.grpo.val_at_start and not resumed:
+        metrics = await validate(ctx, 0)
+        run.recorder.metrics(0, metrics)
+
+
+async def finish(ctx: Context) -> None:
+    run = ctx.run
+    final = run.run_dir / "final_model"
+    await ctx.calls.save_checkpoint(learner_pb2.SaveCheckpointRequest(
+        run_id=run.run_id, path=str(checkpoints.step_dir(run.run_dir, run.step) / "learner"), hf_path=str(final)))
+    run.final_model_path = str(final)
+    if ctx.spec.logger.plot_enabled:
+        plot = await asyncio.to_thread(run.recorder.plot)
+        run.plot_path = str(plot) if plot else ""
+    if not ctx.run.ledger.balanced():
+        raise RuntimeError(f"ledger does not balance at the end: {ctx.run.ledger.to_dict()}")
+    summary = f"final policy in {final}"
+    if "val/reward" in run.last_metrics and ctx.initial_val is not None:
+        summary += f"; held-out reward: before {ctx.initial_val:.2f} after {run.last_metrics['val/reward']:.2f}"
+    ctx.emit(pb.EVENT_KIND_INFO, summary)
+
+
+async def watchdog(ctx: Context) -> None:
+    """Fail a run that makes no progress, rather than let it hang silently."""
+    limit = ctx.settings.watchdog_timeout_s
+    while True:
+        await asyncio.sleep(min(10.0, limit / 4))
+        idle = time.monotonic() - ctx.last_progress
+        if idle > limit:
+            raise RuntimeError(f"watchdog: no progress for {idle:.0f}s (limit {limit:.0f}s) at step "
+                               f"{ctx.trainer_step}; last event: {ctx.run.events[-1].message if ctx.run.events else '-'}")
+
+
+async def run_grpo(run: Run, settings: LoopSettings) -> None:
+    calls = ServiceCalls(settings.apps, run.spec.reward.endpoint, settings.retry,
+                         on_retry=lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg))
+    ctx = Context(run, calls, settings)
+    tasks: list[asyncio.Task] = []
+    try:
+        dog = asyncio.create_task(watchdog(ctx))
+        main = asyncio.create_task(_main(ctx, tasks))
+        tasks += [dog, main]
+        done, _ = await asyncio.wait({dog, main}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await calls.close()
+
+
+async def _main(ctx: Context, tasks: list[asyncio.Task]) -> None:
+    await setup(ctx)
+    producer = asyncio.create_task(produce(ctx))
+    trainer = asyncio.create_task(train(ctx))
+    tasks += [producer, trainer]
+    done, _ = await asyncio.wait({producer, trainer}, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception():
+            raise task.exception()
+    await trainer
+    await finish(ctx)
+
+
+__all__ = ["Context", "LoopSettings", "run_grpo"]

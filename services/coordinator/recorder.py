@@ -1,0 +1,79 @@
+"""The run directory: spec, state, events, metrics (JSONL + TensorBoard) and the reward plot.
+
+    <runs_dir>/<run_id>/
+      spec.yaml          the resolved spec (every default filled in)
+      run.json           state, step, version, ledger, error (rewritten on change)
+      events.jsonl       every event of WatchRun, one per line
+      metrics.jsonl      one line per step
+      tensorboard/       the same metrics as TensorBoard events
+      reward_curve.png   train and held-out reward per step (at the end)
+      sft_model/         the SFT warm-start policy (when sft.enabled)
+      checkpoints/step_NNNNNN/{learner/, coordinator.json}
+      final_model/       the trained policy as an HF folder
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class Recorder:
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write_json(self, name: str, data: Any) -> None:
+        tmp = self.run_dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        tmp.replace(self.run_dir / name)
+
+    def append(self, name: str, record: dict) -> None:
+        with open(self.run_dir / name, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.append("metrics.jsonl", {"step": step, **metrics})
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def plot(self) -> Path | None:
+        """Train reward and held-out reward against the step, from metrics.jsonl."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in (("reward/mean", "train reward (sampled)"), ("val/reward", "held-out reward (greedy)")):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, label=label)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        out = self.run_dir / "reward_curve.png"
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out

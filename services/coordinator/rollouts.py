@@ -1,0 +1,150 @@
+"""Turn prompts into scored groups: generate -> score -> reference logprobs.
+
+One group is the `num_generations_per_prompt` samples of one prompt, tagged
+with the weight version that generated them. Timings separate each
+service's own compute from the call's wall time (the rest is plumbing:
+RPC, serialization, the object store).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from rlserve.config.spec import RunSpec
+from rlserve.data.tasks import Example
+from rlserve.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
+from services.coordinator.buffer import Group
+from services.coordinator.calls import ServiceCalls
+
+
+class PromptTokenizer:
+    """The policy's own tokenizer (tokenizer.json), for prompts and SFT answers."""
+
+    def __init__(self, model_dir: Path):
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = json.loads((model_dir / "config.json").read_text())
+        self.eos_id = int(config["eos_token_id"])
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+
+@dataclass
+class BatchTimings:
+    generate_s: float = 0.0
+    generate_engine_s: float = 0.0
+    score_s: float = 0.0
+    score_compute_s: float = 0.0
+    reference_s: float = 0.0
+    reference_compute_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "timing/generate_s": self.generate_s, "timing/reward_s": self.score_s,
+            "timing/reference_s": self.reference_s,
+            "plumbing/generate_s": self.generate_s - self.generate_engine_s,
+            "plumbing/reward_s": self.score_s - self.score_compute_s,
+            "plumbing/reference_s": self.reference_s - self.reference_compute_s,
+        }
+
+
+def sampling_params(spec: RunSpec, greedy: bool, seed: int | None) -> common_pb2.SamplingParams:
+    gen = spec.policy.generation
+    params = common_pb2.SamplingParams(
+        temperature=0.0 if greedy else gen.temperature, top_p=gen.top_p, top_k=gen.top_k or 0,
+        max_new_tokens=gen.max_new_tokens, stop_strings=gen.stop_strings, stop_token_ids=gen.stop_token_ids)
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+def reward_functions(spec: RunSpec) -> list[reward_pb2.RewardFunctionSpec]:
+    return [reward_pb2.RewardFunctionSpec(name=f.name, import_path=f.import_path or "", weight=f.weight,
+                                          args_json=json.dumps(f.args)) for f in spec.reward.functions]
+
+
+async def generate(calls: ServiceCalls, spec: RunSpec, run_id: str, prompts: list[list[int]], n: int,
+                   greedy: bool, seed: int | None, min_version: int, timings: BatchTimings
+                   ) -> rollout_pb2.GenerateResponse:
+    req = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in prompts], num_samples=n,
+        sampling=sampling_params(spec, greedy, seed), min_weight_version=min_version, run_id=run_id)
+    t0 = time.perf_counter()
+    resp = await calls.generate(req)
+    timings.generate_s += time.perf_counter() - t0
+    timings.generate_engine_s += resp.engine_seconds
+    return resp
+
+
+async def score(calls: ServiceCalls, spec: RunSpec, run_id: str, items: list[reward_pb2.ScoreItem],
+                timings: BatchTimings) -> reward_pb2.ScoreResponse:
+    t0 = time.perf_counter()
+    resp = await calls.score(reward_pb2.ScoreRequest(items=items, functions=reward_functions(spec), run_id=run_id))
+    timings.score_s += time.perf_counter() - t0
+    timings.score_compute_s += resp.compute_seconds
+    if len(resp.results) != len(items):
+        raise RuntimeError(f"reward returned {len(resp.results)} results for {len(items)} items")
+    return resp
+
+
+def score_items(examples: list[Example], texts: list[list[str]], ids: list[list[str]]) -> list[reward_pb2.ScoreItem]:
+    return [reward_pb2.ScoreItem(id=i, prompt=ex.prompt, completion=t, reference_answer=ex.answer,
+                                 metadata_json=json.dumps(ex.metadata))
+            for ex, ts, is_ in zip(examples, texts, ids) for t, i in zip(ts, is_)]
+
+
+async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: PromptTokenizer,
+                         examples: list[Example], first_index: int, step: int, min_version: int,
+                         reference_model: str) -> tuple[list[Group], str, BatchTimings]:
+    """Generate, score and (when the KL needs it) reference-score one step's groups.
+
+    Returns the groups, the reward service's version string, and the timings.
+    """
+    timings = BatchTimings()
+    n = spec.grpo.num_generations_per_prompt
+    prompts = [tok.encode(ex.prompt) for ex in examples]
+    gen = await generate(calls, spec, run_id, prompts, n, greedy=False,
+                         seed=spec.grpo.seed * 1_000_003 + step, min_version=min_version, timings=timings)
+    ids = [[f"{run_id}/{step}/{first_index + i}/{j}" for j in range(n)] for i in range(len(examples))]
+    texts = [[s.text for s in c.samples] for c in gen.completions]
+    scored = await score(calls, spec, run_id, score_items(examples, texts, ids), timings)
+    groups = []
+    for i, (ex, completion) in enumerate(zip(examples, gen.completions)):
+        results = scored.results[i * n:(i + 1) * n]
+        groups.append(Group(
+            prompt_index=first_index + i, prompt_ids=prompts[i],
+            completions=[list(s.token_ids) for s in completion.samples],
+            gen_logprobs=[list(s.logprobs) for s in completion.samples],
+            rewards=[r.score for r in results], weight_version=gen.weight_version, step=step,
+            reward_errors=sum(r.status == reward_pb2.SCORE_STATUS_ERROR for r in results), ids=ids[i]))
+    if spec.loss_fn.reference_policy_kl_penalty > 0:
+        t0 = time.perf_counter()
+        ref = await calls.logprobs(reference_pb2.LogProbsRequest(model_path=reference_model, sequences=[
+            reference_pb2.ScoredSequence(token_ids=g.prompt_ids + c, prompt_length=len(g.prompt_ids))
+            for g in groups for c in g.completions]))
+        timings.reference_s += time.perf_counter() - t0
+        timings.reference_compute_s += ref.compute_seconds
+        it = iter(ref.sequences)
+        for g in groups:
+            g.ref_logprobs = [list(next(it).logprobs) for _ in g.completions]
+    return groups, scored.reward_version, timings
+
+
+async def evaluate(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: PromptTokenizer, examples: list[Example],
+                   min_version: int) -> dict[str, float]:
+    """Mean reward on held-out prompts, one sample each (greedy unless grpo.val_greedy is off)."""
+    timings = BatchTimings()
+    gen = await generate(calls, spec, run_id, [tok.encode(ex.prompt) for ex in examples], 1,
+                         greedy=spec.grpo.val_greedy, seed=spec.grpo.seed, min_version=min_version, timings=timings)
+    texts = [[c.samples[0].text] for c in gen.completions]
+    ids = [[f"{run_id}/val/{i}"] for i in range(len(examples))]
+    scored = await score(calls, spec, run_id, score_items(examples, texts, ids), timings)
+    ok = [r.score for r in scored.results if r.status == reward_pb2.SCORE_STATUS_OK]
+    return {"val/reward": sum(ok) / max(1, len(ok)), "val/reward_errors": float(len(examples) - len(ok)),
+            "val/weight_version": float(gen.weight_version)}

@@ -1,0 +1,127 @@
+"""The run spec: defaults, NeMo-RL key names, and errors that name the key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlserve.config import RunSpec, SpecError, load_spec, parse_spec, spec_to_yaml
+from rlserve.config.spec import Section
+
+
+def problems(data) -> list[str]:
+    with pytest.raises(SpecError) as err:
+        parse_spec(data)
+    return err.value.problems
+
+
+def test_defaults_are_valid_and_round_trip():
+    spec = parse_spec({})
+    assert spec.policy.backend == "dtensor"
+    assert spec.grpo.max_age == 0
+    again = load_spec(spec_to_yaml(spec))
+    assert again == spec
+
+
+def test_nemo_rl_keys_are_accepted():
+    spec = parse_spec({
+        "policy": {"model_name": "preset:tiny", "dtensor_cfg": {"tensor_parallel_size": 1},
+                   "generation": {"temperature": 0.7, "vllm_cfg": {"tensor_parallel_size": 1}},
+                   "sequence_packing": {"enabled": True}},
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 2, "max_num_steps": 3,
+                 "async_grpo": {"enabled": True, "max_trajectory_age_steps": 2}},
+        "loss_fn": {"reference_policy_kl_penalty": 0.01, "ratio_clip_min": 0.2, "ratio_clip_max": 0.28,
+                    "use_importance_sampling_correction": True, "token_level_loss": True},
+    })
+    assert spec.grpo.max_age == 2
+    assert spec.batch_size == 8
+
+
+def test_unknown_key_names_path_and_suggests():
+    (p,) = problems({"grpo": {"num_prompts_per_stpe": 8}})
+    assert p.startswith("grpo.num_prompts_per_stpe: unknown key")
+    assert "did you mean 'num_prompts_per_step'" in p
+
+
+def test_bad_value_names_path():
+    (p,) = problems({"policy": {"generation": {"temperature": -1}}})
+    assert p.startswith("policy.generation.temperature:")
+
+
+@pytest.mark.parametrize("data, path", [
+    ({"data": {"task": "addtion"}}, "data.task"),
+    ({"data": {"task_args": {"digts": 3}}}, "data.task_args.digts"),
+    ({"data": {"task": "jsonl"}}, "data.train_path"),
+    ({"policy": {"megatron_cfg": {"enabled": True}, "dtensor_cfg": {"enabled": True}}},
+     "policy.megatron_cfg.enabled"),
+    ({"policy": {"model_name": "preset:huge"}}, "policy.model_name"),
+    ({"reward": {"endpoint": "nohost"}}, "reward.endpoint"),
+    ({"policy": {"generation": {"max_new_tokens": 200}}}, "policy.generation.max_new_tokens"),
+    ({"loss_fn": {"sequence_level_importance_ratios": True}}, "loss_fn.sequence_level_importance_ratios"),
+])
+def test_cross_field_errors_name_the_key(data, path):
+    assert problems(data)[0].startswith(path + ":")
+
+
+def test_megatron_enabled_alone_switches_backend():
+    assert parse_spec({"policy": {"megatron_cfg": {"enabled": True}}}).policy.backend == "megatron"
+
+
+def _paths(model: type[Section], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            out += _paths(ann, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+SECTIONS = [name for name, f in RunSpec.model_fields.items() if isinstance(f.annotation, type)
+            and issubclass(f.annotation, Section) and f.annotation.model_config.get("extra") == "forbid"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(section=st.sampled_from(SECTIONS), key=st.from_regex(r"[a-z][a-z_]{2,20}", fullmatch=True))
+def test_any_unknown_key_is_rejected_with_its_path(section, key):
+    known = set(RunSpec.model_fields[section].annotation.model_fields)
+    if key in known:
+        return
+    (p,) = problems({section: {key: 1}})
+    assert p.startswith(f"{section}.{key}: unknown key")
+
+
+NUMERIC = [p for p in _paths(RunSpec) if p.split(".")[-1] in {
+    "num_prompts_per_step", "num_generations_per_prompt", "max_num_steps", "max_new_tokens", "top_p",
+    "ratio_clip_min", "save_period", "num_workers", "train_micro_batch_size", "lr", "max_trajectory_age_steps"}]
+
+
+@settings(max_examples=80, deadline=None)
+@given(path=st.sampled_from(NUMERIC), value=st.one_of(st.integers(-10**6, -1), st.just("many"), st.just([1])))
+def test_invalid_numbers_are_rejected_with_their_path(path, value):
+    data: dict = {}
+    node = data
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    assert any(p.startswith(path + ":") for p in problems(data))
+
+
+def test_validate_cli(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({"grpo": {"max_num_steps": 3}}))
+    bad.write_text(yaml.safe_dump({"grpo": {"max_num_step": 3}}))
+    cli = str(Path(sys.executable).with_name("rlserve"))  # the installed console script
+    ok = subprocess.run([cli, "validate", str(good)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    fail = subprocess.run([cli, "validate", str(bad)], capture_output=True, text=True)
+    assert fail.returncode == 1
+    assert "grpo.max_num_step: unknown key" in fail.stderr
