@@ -20,17 +20,16 @@ restores it on exit:
    version, in `transformer.utils` and where it was imported by name
    (`fusions/fused_softmax.py`).
 
-Not CUDA but a 0.16.1 bug that any run without Transformer Engine hits (GPU
-too): `RouterGatingLinearFunction.forward` (`transformer/moe/moe_utils.py`)
-tests `te_general_gemm is not None`, a name only bound when TE imports, so
-every MoE forward raises NameError. `megatron_cpu()` binds it to None (the
-torch.mm fallback) for its duration.
+(The 0.16.1 MoE router bug without Transformer Engine, `te_general_gemm`
+unbound, hits GPUs too; `rlserve.models.megatron_model.build_gpt_model` works
+around it, so it is not patched here.)
 
 These patches never belong in `libs/`: the product path runs on GPUs.
 
 `gloo_process_group()` brings up torch.distributed (gloo, 127.0.0.1 only),
 `model_parallel()` megatron's `parallel_state` over it,
-`megatron_single_process()` both plus the patches for world size 1, and
+`megatron_single_process()` (fixture: `megatron_world_size_1`) both plus the
+patches for world size 1, and
 `spawn_workers()` runs a function on N processes (torch.multiprocessing
 spawn, a free localhost port) and returns what each rank returned.
 """
@@ -47,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -128,16 +128,17 @@ _DEVICE_MODULES = (
     "megatron.core.transformer.moe.router",  # Router.gating: moves the router weight
 )
 
+# `get_default_causal_mask` where it is defined and where it was imported by name.
+_MASK_MODULES = ("megatron.core.transformer.utils", "megatron.core.fusions.fused_softmax")
+
 
 @contextlib.contextmanager
 def megatron_cpu(seed: int = 1234) -> Iterator[None]:
     """Patch megatron-core's CUDA-only calls on the model path; restore them on exit."""
     import importlib
-    import sys
 
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import utils as tutils
-    from megatron.core.transformer.moe import moe_utils
 
     tracker = CpuRNGStatesTracker()
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718)
@@ -146,20 +147,16 @@ def megatron_cpu(seed: int = 1234) -> Iterator[None]:
     saved_tracker = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
 
     device_modules = [importlib.import_module(name) for name in _DEVICE_MODULES]
+    mask_users = [importlib.import_module(name) for name in _MASK_MODULES]
     original_mask = tutils.get_default_causal_mask
-    mask_users = [  # transformer.utils itself and every megatron module that imported the function by name
-        m for m in list(sys.modules.values())
-        if getattr(m, "__name__", "").startswith("megatron.") and getattr(m, "get_default_causal_mask", None) is original_mask
-    ]
-    bind_te_gemm = not hasattr(moe_utils, "te_general_gemm")
+    if any(m.get_default_causal_mask is not original_mask for m in mask_users):
+        raise RuntimeError("get_default_causal_mask is already patched")
 
     mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker, True
     for module in device_modules:
         module.torch = _TorchOnCpu()
     for module in mask_users:
         module.get_default_causal_mask = _cpu_default_causal_mask
-    if bind_te_gemm:
-        moe_utils.te_general_gemm = None
     try:
         yield
     finally:
@@ -168,8 +165,6 @@ def megatron_cpu(seed: int = 1234) -> Iterator[None]:
             module.torch = torch
         for module in mask_users:
             module.get_default_causal_mask = original_mask
-        if bind_te_gemm:
-            del moe_utils.te_general_gemm
 
 
 def free_port() -> int:
@@ -229,6 +224,13 @@ def megatron_single_process(seed: int = 1234) -> Iterator[None]:
         yield
 
 
+@pytest.fixture
+def megatron_world_size_1() -> Iterator[None]:
+    """Pytest fixture form of `megatron_single_process()` (import it into the test module)."""
+    with megatron_single_process():
+        yield
+
+
 def _spawned(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     result_path = Path(out_dir) / f"rank{rank}.pt"
@@ -264,4 +266,4 @@ def spawn_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[A
                     if not saved["ok"]:
                         errors.append(f"rank {rank}:\n{saved['error']}")
             raise RuntimeError("spawned megatron workers failed\n" + "\n".join(errors)) from exc
-        return [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False)["result"] for rank in range(world_size)]
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"] for r in range(world_size)]

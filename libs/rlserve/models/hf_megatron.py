@@ -2,9 +2,9 @@
 
 The project's interchange layout is HF parameter names exactly as they are in
 the safetensors checkpoint (Mixtral experts unfused: `...experts.3.w1.weight`),
-with full, unsharded tensors. Megatron-Core 0.16.1's GPTModel differs in
-three ways that this module undoes (checked against the 0.16.1 source; see
-the test `tests/unit/models/test_hf_megatron.py` for the logits check):
+with full, unsharded tensors. Megatron-Core 0.16.1's GPTModel differs as
+follows, and this module undoes it (checked against the 0.16.1 source, and by
+the logits checks in `tests/unit/models/test_hf_megatron.py`):
 
 - Fused QKV, grouped per KV head (`transformer/attention.py`,
   `SelfAttention.get_query_key_value_tensors`): rows are, for each query group
@@ -61,7 +61,7 @@ _REPLICATED, _ROW, _VOCAB, _QKV, _FC1 = "replicated", "row", "vocab", "qkv", "fc
 
 @dataclass(frozen=True)
 class _Rule:
-    mcore: str  # Megatron name; for experts the *global* expert index fills `local_experts.{j}`
+    mcore: str  # Megatron name; for experts a template whose `{j}` is the local expert index
     hf: tuple[str, ...]  # HF names this parameter is made of, in fusion order
     kind: str
     expert: int | None = None  # global expert index for MoE expert weights
@@ -121,10 +121,12 @@ def _layer_rules(model_type: str, i: int, experts: int, use_te: bool, moe_groupe
     ]
     for e in range(experts):
         w = f"{moe}experts.{e}."
+        # `{j}` is filled with the local expert index of the EP rank that holds expert e.
         if moe_grouped_gemm:
             fc1, fc2 = f"{mc}mlp.experts.linear_fc1.weight{{j}}", f"{mc}mlp.experts.linear_fc2.weight{{j}}"
         else:
-            fc1, fc2 = f"{mc}mlp.experts.local_experts.{{j}}.linear_fc1.weight", f"{mc}mlp.experts.local_experts.{{j}}.linear_fc2.weight"
+            fc1 = f"{mc}mlp.experts.local_experts.{{j}}.linear_fc1.weight"
+            fc2 = f"{mc}mlp.experts.local_experts.{{j}}.linear_fc2.weight"
         rules += [
             _Rule(fc1, (w + "w1.weight", w + "w3.weight"), _FC1, expert=e),
             _Rule(fc2, (w + "w2.weight",), _ROW, expert=e),
@@ -259,10 +261,13 @@ def hf_to_megatron(
 
     used = {name for rule in rules for name in rule.hf}
     ignorable = {"lm_head.weight"} if hf_config.tie_word_embeddings else set()
-    unexpected = sorted(k for k in hf_state if k not in used and k not in ignorable and not k.endswith("rotary_emb.inv_freq"))
+    unexpected = sorted(
+        k for k in hf_state if k not in used and k not in ignorable and not k.endswith("rotary_emb.inv_freq")
+    )
     missing = sorted(used - set(hf_state))
     if unexpected or missing:
-        raise KeyError(f"HF state does not match {hf_config.model_type} config: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        raise KeyError(f"HF state does not match the {hf_config.model_type} config: "
+                       f"missing {missing[:8]}, unexpected {unexpected[:8]}")
 
     out: dict[str, Tensor] = {}
     for rule in rules:
@@ -276,7 +281,7 @@ def hf_to_megatron(
 
 
 def _global_rule_index(hf_config, use_te: bool, moe_grouped_gemm: bool, ep_size: int) -> dict[tuple[str, int], _Rule]:
-    """(megatron name as held by an EP rank, that EP rank) -> rule."""
+    """(Megatron name as held by an EP rank, that EP rank) -> rule."""
     return _index_for(_rules_key(hf_config, use_te, moe_grouped_gemm), ep_size)
 
 
@@ -312,13 +317,16 @@ def megatron_param_to_hf(
     `ep_rank` (local expert index, global layer index); `tp_shards` are its
     pieces from every rank of its TP group in rank order (the expert-TP group
     for expert weights), or a single full tensor. Replicated parameters use
-    `tp_shards[0]`. This is the per-parameter primitive a distributed exporter
-    uses after an all-gather; `iter_megatron_to_hf` is built on it.
+    `tp_shards[0]`. This is the per-parameter primitive for a distributed
+    exporter: all-gather one parameter over its group (`tp_split_dim` says
+    along which dim), convert, bucket, free, next.
     """
     try:
         rule = _global_rule_index(hf_config, use_te, moe_grouped_gemm, ep_size)[(name, ep_rank)]
     except KeyError:
-        raise KeyError(f"{name!r} is not a {hf_config.model_type} GPTModel parameter (ep_rank {ep_rank} of {ep_size})") from None
+        raise KeyError(
+            f"{name!r} is not a {hf_config.model_type} GPTModel parameter (ep_rank {ep_rank} of {ep_size})"
+        ) from None
     tensors = _from_shards(rule, tp_shards, hf_config)
     return [(hf_name, _own(t)) for hf_name, t in zip(rule.hf, tensors)]
 

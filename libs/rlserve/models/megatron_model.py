@@ -7,17 +7,20 @@ with the local layer spec (or the Transformer Engine spec on GPUs); weights
 come from `rlserve.models.hf_megatron.hf_to_megatron` and go in through
 `load_megatron_state`.
 
-Mixtral routing. HF (`MixtralTopKRouter`): softmax over all expert logits,
-top-k, then divide by the sum of the k kept probabilities. That equals a
-softmax over the k top logits, which is megatron's default
+Mixtral routing. HF (`MixtralTopKRouter`): softmax over all expert logits in
+fp32, top-k, then divide by the sum of the k kept probabilities. That equals a
+softmax over the k top logits, which is megatron's
 `moe_router_score_function="softmax"` with `moe_router_pre_softmax=False`
 (`transformer/moe/moe_utils.py`, `topk_routing_with_score_function`: top-k of
-the logits, then softmax over them). Top-1 would differ (HF weight 1.0; megatron
-demands pre-softmax for k=1, giving p_max), so it is refused. Load balancing
-is "none" (HF adds no router loss unless `output_router_logits`; RL recipes,
-NeMo-RL's among them, train MoE with no balancing loss); router math in fp32
-like HF's softmax. The "alltoall" dispatcher is the one that scales to
-expert parallelism and runs on one CPU rank.
+the logits, then softmax over those k). Top-1 would differ (HF weight 1.0;
+megatron demands pre-softmax for k=1, giving p_max), so it is refused. Load
+balancing is "none" (no forward effect either way): HF adds no router loss
+unless `output_router_logits`, and NeMo-RL's MoE GRPO recipes use "none" too;
+a learner that wants an aux loss overrides it. Router math is fp32
+(`moe_router_dtype="fp32"`; HF takes the softmax in fp32, its logits in the
+model dtype, so bf16 runs differ by rounding only). The token dispatcher is "allgather", megatron's default: it works
+with TP and EP and on CPU, whereas "alltoall" builds a `torch.cuda.Stream` in
+its constructor; large-EP GPU runs may override it to "alltoall".
 
 Vocab padding: GPTModel never pads; VocabParallelEmbedding needs the vocab to
 divide by TP. `build_gpt_model` uses `padded_vocab_size(hf_vocab, tp)` unless
@@ -157,6 +160,8 @@ def build_gpt_model(
     _check(hf_config)
     rope_base, rope_kwargs = _rope(hf_config)
     experts = transformer_config.num_moe_experts
+    if experts:
+        _bind_te_general_gemm_if_missing()
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=transformer_config.moe_grouped_gemm
@@ -180,6 +185,22 @@ def build_gpt_model(
         rotary_base=rope_base,
         **rope_kwargs,
     )
+
+
+def _bind_te_general_gemm_if_missing() -> None:
+    """Work around a megatron-core 0.16.1 bug that breaks every MoE forward without Transformer Engine.
+
+    `RouterGatingLinearFunction.forward` (transformer/moe/moe_utils.py:1192)
+    tests `te_general_gemm is not None`, but the module binds that name only
+    when TE imports (moe_utils.py:20-39), so without TE (CPU, or a GPU image
+    without it, like the H200 test machine) the router raises NameError.
+    Binding None selects the torch.mm path that the check is there for.
+    Not a CPU patch: it changes nothing when TE is installed.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def load_megatron_state(model: torch.nn.Module, state: Mapping[str, Tensor]) -> None:

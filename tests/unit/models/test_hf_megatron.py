@@ -27,13 +27,13 @@ from rlserve.models.hf_megatron import (
     padded_vocab_size,
     tp_split_dim,
 )
-from tests.support.megatron_cpu import megatron_single_process, model_parallel, spawn_workers
+from tests.support.megatron_cpu import megatron_world_size_1, model_parallel, spawn_workers  # noqa: F401 (fixture)
 
 ATOL = 1e-4
 
 
 def _synthetic(config, seed: int):
-    """A random HF model that is not a preset (GQA with fewer KV groups than TP ranks; Qwen2 biases)."""
+    """Checkpoint-named state of a random HF model that is not a preset."""
     torch.manual_seed(seed)
     state = AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict()
     out = {}
@@ -45,12 +45,17 @@ def _synthetic(config, seed: int):
     return out
 
 
+_SMALL = dict(vocab_size=62, hidden_size=64, intermediate_size=96, max_position_embeddings=64)
 SYNTHETIC = {
     # 8 heads / 2 KV groups at TP 4 (a group spans two ranks), vocab 62 padded to 64.
-    "gqa8": LlamaConfig(vocab_size=62, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=8,
-                        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False),
-    "qwen2": Qwen2Config(vocab_size=62, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True),
+    "gqa8": LlamaConfig(**_SMALL, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                        tie_word_embeddings=False),
+    # One KV group at TP 2: megatron all-gathers the fused QKV and re-slices it per rank.
+    "mqa": LlamaConfig(**_SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                       tie_word_embeddings=False),
+    # q/k/v biases, tied embeddings.
+    "qwen2": Qwen2Config(**_SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True),
 }
 
 
@@ -86,6 +91,7 @@ LAYOUTS = {
     "tiny": [(1, 1, None, None), (2, 1, None, None)],
     "gqa8": [(1, 1, None, None), (2, 1, None, None), (4, 1, None, None)],
     "qwen2": [(1, 1, None, None), (2, 1, None, None)],
+    "mqa": [(2, 1, None, None)],
     "moe-tiny": [
         (1, 1, None, None), (2, 1, None, None), (1, 2, None, None), (1, 4, None, None),
         (2, 2, None, None),  # 4 ranks, ETP = TP = 2
@@ -123,7 +129,7 @@ def test_shard_shapes_and_split_dims():
     # Group 0 is q heads 0-1, then k head 0, then v head 0 (head_dim 32).
     assert torch.equal(qkv[:64], q[:64]) and torch.equal(qkv[64:96], k[:32]) and torch.equal(qkv[96:128], v[:32])
     fc1 = halves[1]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
-    w1, w3 = state["model.layers.0.block_sparse_moe.experts.3.w1.weight"], state["model.layers.0.block_sparse_moe.experts.3.w3.weight"]
+    w1, w3 = (state[f"model.layers.0.block_sparse_moe.experts.3.{w}.weight"] for w in ("w1", "w3"))
     assert torch.equal(fc1, torch.cat([w1[128:], w3[128:]]))  # [gate_t; up_t] on TP rank 1
 
 
@@ -138,7 +144,7 @@ def test_per_parameter_export_matches_whole_model():
 
 
 def test_tied_vocab_padding_and_te_names():
-    config, state, _ = model("tiny")
+    config, state, _ = model("qwen2")  # tied embeddings
     assert "lm_head.weight" not in state
     shard = hf_to_megatron(state, config, 1, 0, vocab_size=padded_vocab_size(config.vocab_size, 1, 128), use_te=True)
     assert "output_layer.weight" not in shard
@@ -165,8 +171,8 @@ def _batch(vocab: int) -> torch.Tensor:
 
 def _megatron_logits(name: str, ids: torch.Tensor, tp: int = 1, ep: int = 1, etp: int | None = None) -> torch.Tensor:
     """Full-vocab logits of the converted GPTModel on this rank's shard (gathered over TP)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from rlserve.models.megatron_model import build_gpt_model, load_megatron_state, megatron_config_from_hf
 
@@ -181,27 +187,33 @@ def _megatron_logits(name: str, ids: torch.Tensor, tp: int = 1, ep: int = 1, etp
     load_megatron_state(gpt, shard)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():  # attention_mask=None: the local spec's default causal mask
-        logits = gpt(input_ids=ids, position_ids=positions, attention_mask=None)
-        logits = gather_from_tensor_model_parallel_region(logits)
+        logits = gpt(input_ids=ids, position_ids=positions, attention_mask=None)  # vocab-parallel
+    if tp > 1:
+        pieces = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(pieces, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(pieces, dim=-1)
     return logits[..., : config.vocab_size]
 
 
 @pytest.mark.parametrize("name", ["tiny", "moe-tiny", "qwen2"])
-def test_logits_match_transformers_world_size_1(name):
+def test_logits_match_transformers_world_size_1(name, megatron_world_size_1):
     config, _, _ = model(name)
     ids = _batch(config.vocab_size)
     ids[1, 12:] = config.pad_token_id or 0  # right padding: causal attention leaves the real tokens alone
     mask = torch.ones_like(ids)
     mask[1, 12:] = 0
     expected = hf_logits(name, ids, mask)
-    with megatron_single_process():
-        got = _megatron_logits(name, ids)
+    got = _megatron_logits(name, ids)
     assert got.shape == expected.shape
     assert (got[0] - expected[0]).abs().max() < ATOL
     assert (got[1, :12] - expected[1, :12]).abs().max() < ATOL
 
 
-PARALLEL_CASES = [("tiny", 2, 1, None), ("moe-tiny", 2, 1, None), ("moe-tiny", 1, 2, None), ("moe-tiny", 2, 2, 1)]
+# (model, tp, ep, etp) on 2 ranks; etp None means ETP = TP.
+PARALLEL_CASES = [
+    ("tiny", 2, 1, None), ("mqa", 2, 1, None), ("qwen2", 2, 1, None),
+    ("moe-tiny", 2, 1, None), ("moe-tiny", 1, 2, None), ("moe-tiny", 2, 2, 1),
+]
 
 
 def _parallel_worker(rank: int, world_size: int, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -213,7 +225,7 @@ def _parallel_worker(rank: int, world_size: int, ids: torch.Tensor) -> list[torc
 
 
 def test_logits_match_transformers_two_ranks():
-    """TP 2 (dense and MoE), EP 2, and TP 2 with EP 2 x ETP 1, in one pair of spawned gloo processes."""
+    """TP 2 (dense, MQA, Qwen2, MoE), EP 2, and TP 2 with EP 2 x ETP 1, in one pair of spawned gloo processes."""
     ids = _batch(62)
     results = spawn_workers(_parallel_worker, 2, ids)
     for i, (name, tp, ep, etp) in enumerate(PARALLEL_CASES):
