@@ -9,14 +9,17 @@ import pytest
 
 # Models that tests generate (preset:tiny, ...) are cached per test session, not in ~/.cache.
 os.environ.setdefault("RLSERVE_MODEL_CACHE", tempfile.mkdtemp(prefix="rlserve-test-models-"))
+# Read by Ray when it is imported: keep the test cluster's node address on loopback
+# (rlserve.cluster.lifecycle explains why).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs CUDA (GPU-only test)")
     for item in items:
-        if "gpu" in item.keywords:
+        if "/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)

@@ -1,0 +1,80 @@
+"""A standalone reward server: any gRPC server implementing `rlserve.v1.Reward` can replace the
+reward service. Point a run at it with `reward.endpoint: HOST:PORT`.
+
+    .venv/bin/python scripts/reward_server.py --port 50070 --function exact_match
+    .venv/bin/python scripts/reward_server.py --port 50070 --function path/to/my_reward.py:reward
+
+It runs outside Ray and Serve (only grpcio and the rlserve library), with health checking and
+reflection, and binds to 127.0.0.1 unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rlserve.logs import event, setup_logging
+from rlserve.rewards.loader import CombinedReward, FunctionSpec
+from rlserve.rewards.scoring import score_batch, specs_from_proto
+from rlserve.rpc import RpcError
+from rlserve.v1 import reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger("rlserve.reward_server")
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    def __init__(self, default: CombinedReward):
+        self.default = default
+
+    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
+        try:
+            reward = CombinedReward(specs_from_proto(list(request.functions))) if request.functions else self.default
+            response = score_batch(reward, request)
+        except RpcError as err:
+            context.abort(err.code, err.message)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"functions: {err}")
+        event(log, "reward_server.scored", run=request.run_id or None, items=len(request.items),
+              errors=response.num_errors)
+        return response
+
+
+def serve(host: str, port: int, functions: list[str]) -> grpc.Server:
+    specs = []
+    for f in functions:
+        name = f.rsplit("/", 1)[-1].split(":")[0].removesuffix(".py")
+        specs.append(FunctionSpec.make(name, None if ":" not in f and not f.endswith(".py") else f))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(CombinedReward(specs)), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("rlserve.v1.Reward", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([reward_pb2.DESCRIPTOR.services_by_name["Reward"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    event(log, "reward_server.ready", address=f"{host}:{bound}", functions=",".join(functions))
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50070)
+    parser.add_argument("--function", action="append", default=None,
+                        help="built-in name, module:attr or file.py[:attr]; repeatable (default exact_match)")
+    args = parser.parse_args()
+    setup_logging()
+    server = serve(args.host, args.port, args.function or ["exact_match"])
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
+    server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    main()

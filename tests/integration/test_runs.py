@@ -1,0 +1,159 @@
+"""The coordinator end to end on the shared cluster: runs complete with a balanced ledger, the
+staleness bound holds, cancel works, bad specs are refused, an external reward server stands in
+for the reward service, and the client CLI exits with the run's outcome."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlserve.clients.coordinator import CoordinatorClient
+from rlserve.v1 import coordinator_pb2 as pb
+from tests.integration.runs_support import TERMINAL, events_until_end, metric_events, spec, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def client(test_cluster):
+    with CoordinatorClient(test_cluster.endpoint) as c:
+        yield c
+
+
+def kinds(events) -> set[int]:
+    return {ev.kind for ev in events}
+
+
+def test_short_run_completes_with_a_balanced_ledger(client):
+    run = client.submit(spec(), run_id="itest-basic")
+    events = events_until_end(client, run.run_id)
+    run = client.get(run.run_id)
+    assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
+    ledger = run.ledger
+    assert ledger.generated == 3 * 8 * 4 == ledger.scored
+    assert ledger.in_flight == 0 and ledger.generated == ledger.trained + sum(ledger.dropped.values())
+    assert ledger.trained > 0
+    assert {pb.EVENT_KIND_STATE, pb.EVENT_KIND_STEP, pb.EVENT_KIND_WEIGHT_SYNC, pb.EVENT_KIND_VALIDATION,
+            pb.EVENT_KIND_CHECKPOINT} <= kinds(events)
+    steps = metric_events(events)
+    assert [int(ev.step) for ev in events if ev.kind == pb.EVENT_KIND_STEP] == [1, 2, 3]
+    assert all(m["batch/staleness_max"] == 0 for m in steps)
+    assert "loss/total" in steps[0] and "timing/generate_s" in steps[0] and "val/reward" in steps[-1]
+    run_dir = Path(run.run_dir)
+    for name in ("spec.yaml", "run.json", "events.jsonl", "metrics.jsonl", "reward_curve.png",
+                 "checkpoints/step_000002/coordinator.json", "final_model/model.safetensors"):
+        assert (run_dir / name).exists(), name
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((run_dir / "run.json").read_text())["state"] == "succeeded"
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
+    assert model(torch.tensor([[8, 11, 41]])).logits.shape[-1] == model.config.vocab_size
+
+
+@pytest.mark.parametrize("max_age", [0, 2])
+def test_no_trained_group_is_older_than_the_bound(client, max_age):
+    run = client.submit(spec(grpo__max_num_steps=5, grpo__val_period=0, checkpointing__enabled=False,
+                             grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": max_age}))
+    events = events_until_end(client, run.run_id)
+    assert client.get(run.run_id).state == pb.RUN_STATE_SUCCEEDED
+    staleness = [m["batch/staleness_max"] for m in metric_events(events)]
+    assert len(staleness) == 5 and max(staleness) <= max_age
+    if max_age:
+        assert max(staleness) >= 1, "with max_age > 0 generation should run ahead of training"
+    assert not any(ev.kind == pb.EVENT_KIND_DROPPED and "stale" in ev.message for ev in events)
+
+
+def test_cancel_stops_a_run_and_the_services_stay_usable(client):
+    run = client.submit(spec(grpo__max_num_steps=200, grpo__val_period=0, checkpointing__enabled=False))
+    wait_for(client, run.run_id, pb.EVENT_KIND_STEP)
+    client.cancel(run.run_id)
+    deadline = time.time() + 60
+    while client.get(run.run_id).state not in TERMINAL:
+        assert time.time() < deadline
+        time.sleep(0.5)
+    assert client.get(run.run_id).state == pb.RUN_STATE_CANCELLED
+    again = client.submit(spec(grpo__max_num_steps=1, grpo__val_period=0))
+    events_until_end(client, again.run_id)
+    assert client.get(again.run_id).state == pb.RUN_STATE_SUCCEEDED
+
+
+@pytest.mark.parametrize("text, code, field", [
+    (spec(grpo__num_prompts_per_stpe=3), grpc.StatusCode.INVALID_ARGUMENT, "grpo.num_prompts_per_stpe"),
+    (spec(policy__model_name="/no/such/model"), grpc.StatusCode.INVALID_ARGUMENT, "policy.model_name"),
+    (spec(policy__model_name="preset:small"), grpc.StatusCode.FAILED_PRECONDITION, "policy.model_name"),
+    (spec(policy__max_total_sequence_length=200), grpc.StatusCode.FAILED_PRECONDITION,
+     "policy.max_total_sequence_length"),
+    (spec(reward__functions=[{"name": "x", "import_path": "no_such_mod:f"}]), grpc.StatusCode.FAILED_PRECONDITION,
+     "reward.functions"),
+    ("[1, 2", grpc.StatusCode.INVALID_ARGUMENT, "spec_yaml"),
+])
+def test_bad_specs_are_refused_naming_the_field(client, text, code, field):
+    with pytest.raises(grpc.RpcError) as err:
+        client.submit(text)
+    assert err.value.code() == code
+    assert field in err.value.details()
+
+
+def test_unknown_runs_are_not_found(client):
+    with pytest.raises(grpc.RpcError) as err:
+        client.get("no-such-run")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_external_reward_server_replaces_the_reward_service(client):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert time.time() < deadline and server.poll() is None, "reward server did not start"
+            time.sleep(0.3)
+        run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", reward__functions=None,
+                                 grpo__max_num_steps=2))
+        events_until_end(client, run.run_id)
+        assert client.get(run.run_id).state == pb.RUN_STATE_SUCCEEDED
+    finally:
+        server.terminate()
+        log = server.communicate(timeout=30)[1]
+    assert "event=reward_server.scored" in log
+
+
+def test_cli_submit_watch_and_runs(test_cluster, tmp_path):
+    cli = str(Path(sys.executable).with_name("rlserve"))
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(spec(grpo__max_num_steps=2, grpo__val_period=1))
+    out = subprocess.run([cli, "submit", str(spec_file), "--watch", "--run-id", "itest-cli", "--endpoint",
+                          test_cluster.endpoint], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "succeeded" in out.stdout and "held-out reward: before" in out.stdout.splitlines()[-1]
+    listed = subprocess.run([cli, "runs", "list", "--endpoint", test_cluster.endpoint], capture_output=True,
+                            text=True)
+    assert "itest-cli" in listed.stdout
+    missing = subprocess.run([cli, "runs", "get", "nope", "--endpoint", test_cluster.endpoint], capture_output=True,
+                             text=True)
+    assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr
+
+
+def test_sft_warm_start_then_grpo(client):
+    run = client.submit(spec(sft={"enabled": True, "max_num_steps": 4, "val_period": 2, "batch_size": 16,
+                                  "stop_at_val_reward": None}, grpo__max_num_steps=2))
+    events = events_until_end(client, run.run_id)
+    run = client.get(run.run_id)
+    assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
+    assert any("SFT warm start done after 4 steps" in ev.message for ev in events)
+    assert (Path(run.run_dir) / "sft_model" / "model.safetensors").is_file()

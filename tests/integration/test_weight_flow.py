@@ -1,0 +1,133 @@
+"""Weights: in-place updates land exactly, bad updates are rejected with the old weights still
+serving, every rollout replica (also a restarted one) serves the newest publication, and the
+learner's exported weights reproduce the learner's logprobs in the rollout service."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import ray
+from ray import serve
+
+from rlserve.models import resolve_model
+from rlserve.models.factory import make_model
+from rlserve.models.presets import get_preset
+from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from services.reference.scorer import ReferenceScorer, Sequence
+from tests.integration.conftest import metadata
+
+PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]
+_version = iter(range(20_000, 30_000))
+
+
+def generate(stub, n=4, temperature=1.0, seed=3) -> rollout_pb2.GenerateResponse:
+    return stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in PROMPTS], num_samples=n,
+        sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed)),
+        metadata=metadata("rollout"))
+
+
+def max_error(resp: rollout_pb2.GenerateResponse, model_dir) -> float:
+    seqs, lps = [], []
+    for c in resp.completions:
+        for s in c.samples:
+            seqs.append(Sequence(list(c.prompt_token_ids) + list(s.token_ids), len(c.prompt_token_ids)))
+            lps.append(list(s.logprobs))
+    ref = ReferenceScorer(model_dir).logprobs(seqs)
+    return max(abs(a - b) for r, g in zip(ref, lps) for a, b in zip(r, g))
+
+
+def load(stub, path, version=None) -> rollout_pb2.UpdateWeightsResponse:
+    return stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(
+        version=version or next(_version), safetensors_path=str(path), force=True), metadata=metadata("rollout"))
+
+
+def replicas_versions(stub, calls=12) -> dict[str, int]:
+    seen = {}
+    for _ in range(calls):
+        info = stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout"))
+        seen[info.replica_id] = info.weight_version
+    return seen
+
+
+@pytest.fixture(scope="module")
+def second_model(tmp_path_factory):
+    return make_model(get_preset("tiny"), tmp_path_factory.mktemp("m") / "second", seed=7)
+
+
+def test_update_to_a_second_model_matches_transformers_on_every_replica(channel, second_model):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    applied = load(stub, second_model)
+    resp = generate(stub)
+    assert resp.weight_version == applied.weight_version
+    assert max_error(resp, second_model) < 1e-4
+    assert max_error(resp, resolve_model("preset:tiny")) > 1e-2
+    versions = replicas_versions(stub)
+    assert len(versions) == 2, "the test cluster runs two rollout replicas"
+    assert set(versions.values()) == {applied.weight_version}
+
+
+def test_bad_updates_are_rejected_and_old_weights_keep_serving(channel, tmp_path):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    load(stub, resolve_model("preset:tiny"))
+    before = generate(stub, n=1, temperature=0.0)
+    wrong_shapes = make_model(get_preset("small"), tmp_path / "small")
+    with pytest.raises(grpc.RpcError) as err:
+        load(stub, wrong_shapes)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("safetensors_path:") and "shape" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        load(stub, tmp_path / "nowhere")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    after = generate(stub, n=1, temperature=0.0)
+    assert after.completions == before.completions
+    assert after.weight_version == before.weight_version
+
+
+def test_a_restarted_replica_loads_the_newest_publication(channel, second_model, test_cluster):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    version = load(stub, second_model).weight_version
+    victim = next(iter(replicas_versions(stub)))
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == "serve" and "rollout" in a["name"] and victim in a["name"]]
+    assert actors, "could not find the replica actor"
+    ray.kill(ray.get_actor(actors[0]["name"], namespace="serve"), no_restart=True)
+    deadline = time.time() + 240
+    while True:
+        status = serve.status().applications["rollout"]
+        versions = replicas_versions(stub) if status.status == "RUNNING" else {}
+        if len(versions) == 2 and victim not in versions:
+            break
+        assert time.time() < deadline, f"rollout did not recover: {status}"
+        time.sleep(2)
+    assert set(versions.values()) == {version}
+
+
+def test_learner_export_reproduces_learner_logprobs(channel, tmp_path):
+    learner = learner_pb2_grpc.LearnerStub(channel)
+    spec = "policy: {max_total_sequence_length: 64, generation: {max_new_tokens: 8}}"
+    info = learner.Configure(learner_pb2.ConfigureRequest(run_id="weights-test", spec_yaml=spec),
+                             metadata=metadata("learner"))
+    assert info.backend == "dtensor" and info.num_parameters > 0
+    batch = [learner_pb2.TrainSequence(token_ids=[8, 11, 41, 12, 9, 47, 6, 7, 5, 2], prompt_length=6)] * 8
+    for version in range(3):
+        out = learner.TrainStep(learner_pb2.TrainStepRequest(run_id="weights-test", loss=learner_pb2.LOSS_KIND_SFT,
+                                                             sequences=batch, learning_rate=1e-2,
+                                                             expected_weight_version=version),
+                                metadata=metadata("learner"))
+        assert out.weight_version == version + 1 and out.metrics["loss/total"] > 0
+    exported = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id="weights-test"),
+                                     metadata=metadata("learner"))
+    assert exported.weight_version == 3 and exported.num_tensors == 21
+    hf = tmp_path / "learner_hf"
+    learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id="weights-test", path=str(tmp_path / "ckpt"),
+                                                             hf_path=str(hf)), metadata=metadata("learner"))
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=3, store_name="rlserve-weights"),
+                       metadata=metadata("rollout"))
+    resp = generate(stub)
+    assert resp.weight_version == 3
+    assert max_error(resp, hf) < 1e-4
+    assert max_error(resp, resolve_model("preset:tiny")) > 1e-3
