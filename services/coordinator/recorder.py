@@ -24,11 +24,8 @@ class Recorder:
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._tensorboard = tensorboard
+        self._tb = None  # opened at the first metrics, so merely loading a run writes nothing
 
     def write_json(self, name: str, data: Any) -> None:
         tmp = self.run_dir / f".{name}.tmp"
@@ -41,6 +38,10 @@ class Recorder:
 
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.append("metrics.jsonl", {"step": step, **metrics})
+        if self._tensorboard and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):

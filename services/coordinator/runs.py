@@ -93,6 +93,19 @@ class Run:
                       created_unix=self.created, updated_unix=self.updated,
                       final_model_path=self.final_model_path, plot_path=self.plot_path)
 
+    @classmethod
+    def from_disk(cls, run_dir: Path) -> Run:
+        """A run of an earlier coordinator, as its run.json left it (for GetRun/ListRuns; resumable)."""
+        info = json.loads((run_dir / "run.json").read_text())
+        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir)
+        run.state = {name: value for value, name in _STATE_NAMES.items()}[info["state"]]
+        run.step, run.version, run.error = info["step"], info["weight_version"], info["error"]
+        run.ledger = Ledger.from_dict(info["ledger"])
+        run.created, run.updated = info["created"], info["updated"]
+        run.final_model_path, run.plot_path = info["final_model_path"], info["plot_path"]
+        run.last_metrics = info.get("last_metrics", {})
+        return run
+
     def save(self) -> None:
         self.updated = time.time()
         self.recorder.write_json("run.json", {
@@ -115,17 +128,21 @@ class RunManager:
         self.runs: dict[str, Run] = {}
         self.queue: list[str] = []
         runs_dir.mkdir(parents=True, exist_ok=True)
-        self._mark_interrupted()
+        self._load_earlier_runs()
 
-    def _mark_interrupted(self) -> None:
-        """Runs a previous coordinator left running can only be resumed by hand."""
+    def _load_earlier_runs(self) -> None:
+        """Runs of earlier coordinators stay visible; those left running can be resumed by hand."""
         for path in sorted(self.runs_dir.glob("*/run.json")):
             info = json.loads(path.read_text())
             if info.get("state") in ("running", "queued"):
                 info["state"] = "failed"
                 info["error"] = (f"the coordinator stopped while the run was {info.get('state')}; resume with "
-                                 f"`rlserve submit {path.parent / 'spec.yaml'} --resume {info['run_id']}`")
+                                 f"`rlserve submit --resume {info['run_id']}`")
                 path.write_text(json.dumps(info, indent=1) + "\n")
+            try:
+                self.runs[info["run_id"]] = Run.from_disk(path.parent)
+            except (KeyError, ValueError, SpecError, OSError) as err:
+                log.warning("skipping run directory %s: %s", path.parent, err)
 
     def _load_spec(self, spec_yaml: str) -> RunSpec:
         try:

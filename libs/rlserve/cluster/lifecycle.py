@@ -177,6 +177,12 @@ def down(cluster: Cluster) -> None:
     if pid is not None:
         _stop_group(pid)
     (cluster.state_dir / "head.pid").unlink(missing_ok=True)
+    if "ray" in sys.modules:  # this process was a driver of the stopped cluster: detach it
+        import ray
+        from ray.serve import context as serve_context
+
+        ray.shutdown()
+        serve_context._set_global_client(None)
 
 
 def _stop_group(pgid: int, grace_s: float = 20.0) -> None:
