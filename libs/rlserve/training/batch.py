@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlserve.training.forward import completion_positions
 from rlserve.training.packing import first_fit_decreasing
 
 
@@ -79,6 +80,10 @@ class MicroBatch:
     position_ids: torch.Tensor  # same shape; restarts at 0 for every sequence
     attention_mask: torch.Tensor | None  # [B, L] for padded rows; None when packed
     completion_mask: torch.Tensor  # [B, L] bool: token is a completion token
+    # Rows of the flattened [B*L] hidden states that predict a completion token, and those tokens:
+    # built on the host so the forward pass needs no device->host sync to select them.
+    hidden_index: torch.Tensor
+    targets: torch.Tensor
     # Flat per-token vectors, in the row-major order of completion_mask:
     advantages: torch.Tensor
     gen_logprobs: torch.Tensor | None
@@ -92,8 +97,9 @@ class MicroBatch:
             return None if t is None else t.to(device, non_blocking=True)
 
         return MicroBatch(mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask),
-                          mv(self.completion_mask), mv(self.advantages), mv(self.gen_logprobs),
-                          mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs, self.num_tokens)
+                          mv(self.completion_mask), mv(self.hidden_index), mv(self.targets), mv(self.advantages),
+                          mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs,
+                          self.num_tokens)
 
 
 def _per_token(batch: TrainBatch, field: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
@@ -124,9 +130,13 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
             attention[row, :len(s)] = 1
             completion[row, p:len(s)] = True
         position_ids = torch.arange(width).expand(len(seqs), width).contiguous()
+        if all(len(s) == width for s in seqs):
+            attention = None  # no padding: plain causal attention (the fused kernels' fast path)
     real = [] if dummy else idx
     return MicroBatch(
         input_ids=input_ids, position_ids=position_ids, attention_mask=attention, completion_mask=completion,
+        hidden_index=completion_positions(completion).flatten().nonzero().squeeze(1),
+        targets=input_ids[completion],
         advantages=batch.advantages[idx].repeat_interleave(comp_lens),
         gen_logprobs=_per_token(batch, batch.gen_logprobs, real) if real else _empty(batch.gen_logprobs),
         ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),

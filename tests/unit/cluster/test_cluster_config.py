@@ -40,3 +40,12 @@ def test_cluster_file_errors_name_the_key(tmp_path):
     ("10.0.0.1:9000", "127.0.0.1", "10.0.0.1:9000")])
 def test_wildcard_rewrite(address, host, want):
     assert rewrite(address, host) == want
+
+
+def test_kuberay_manifest_deploys_the_same_apps():
+    from pathlib import Path
+
+    manifest = yaml.safe_load(Path("deploy/kuberay/rayservice.yaml").read_text())
+    config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    assert {a["name"]: a["import_path"] for a in config["applications"]} == APPS
+    assert config["grpc_options"]["grpc_servicer_functions"] == SERVICERS

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from rlserve.config.spec import RunSpec
 from rlserve.models.hf_io import write_hf_folder
 from rlserve.training.batch import MicroBatch, TrainBatch
-from rlserve.training.forward import completion_positions, gather_logprobs
+from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
 from rlserve.weights.specs import checkpoint_specs
@@ -46,8 +46,8 @@ class PolicyLogprobs(nn.Module):
         if isinstance(hidden, DTensor):  # sequence parallel leaves it sharded along the sequence
             hidden = hidden.full_tensor()
         head = self.lm.get_output_embeddings().weight
-        select = completion_positions(mb.completion_mask)
-        return gather_logprobs(hidden[select], head, mb.input_ids[mb.completion_mask], with_entropy=with_entropy)
+        rows = hidden.flatten(0, 1).index_select(0, mb.hidden_index)
+        return gather_logprobs(rows, head, mb.targets, with_entropy=with_entropy)
 
 
 class DTensorBackend(LearnerBackend):
@@ -112,7 +112,7 @@ class DTensorBackend(LearnerBackend):
             self.scheduler.step()
         self._version += 1
         metrics = objective.finalize(self.mesh["dp"].get_group())
-        metrics["policy/grad_norm"] = float(torch.stack(grad_norms).mean())
+        metrics["policy/grad_norm"] = torch.stack(grad_norms).mean().item()
         metrics["policy/lr"] = self.optimizer.param_groups[0]["lr"]
         elapsed = time.perf_counter() - t0
         metrics["perf/learner_step_seconds"] = elapsed
@@ -193,4 +193,4 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         local = [g.to_local() if isinstance(g, DTensor) else g for group in by_mesh.values() for g in group]
         torch._foreach_mul_(local, coef.to(local[0].device))
-    return total.detach().cpu()
+    return total.detach()  # stays on the device: no sync between backward and the optimizer step

@@ -1,0 +1,175 @@
+"""Learner benchmark on one GPU (no Ray, no vLLM): tokens/s and MFU of the learner backends vs a
+plain transformers + FSDP2 training loop, on the same batch, in one run.
+
+  - matmul:   a bf16 8192^3 matmul, the ceiling MFU is measured against (same run, same GPU);
+  - plain:    AutoModelForCausalLM + FSDP2 (bf16 mixed precision) + AdamW, loss = CE over all tokens;
+  - dtensor:  rlserve's DTensor/FSDP2 backend, SFT loss over all tokens (the same work);
+  - megatron: rlserve's Megatron-Core backend (local spec unless Transformer Engine imports).
+
+Model FLOPs per trained token: 6 * (parameters without the input embedding) + 12 * layers *
+hidden * sequence (attention scores and values, no causal discount), as in the PaLM MFU formula.
+
+    python scripts/bench/learner_gpu.py --preset 1b --seq 2048 --batch 8 --steps 5 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
+
+import torch  # noqa: E402
+
+
+def sync_time(fn, steps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    seconds = sync_time(lambda: a @ b, steps=10, warmup=3)
+    return 2 * n**3 / seconds / 1e12
+
+
+def model_folder(preset: str) -> Path:
+    from rlserve.models.factory import make_model
+    from rlserve.models.presets import get_preset
+
+    out = Path(tempfile.gettempdir()) / f"rlserve-bench-{preset}"
+    if not (out / "rlserve_preset.json").is_file():
+        torch.set_default_device("cuda")  # random init on the GPU: seconds instead of minutes
+        make_model(get_preset(preset), out, seed=0)
+        torch.set_default_device("cpu")
+    return out
+
+
+def flops_per_token(path: Path, seq: int) -> float:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq
+
+
+def batch_tokens(batch: int, seq: int, vocab: int) -> torch.Tensor:
+    return torch.randint(4, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def run_plain(path: Path, ids: torch.Tensor, steps: int) -> float:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    ids = ids.cuda()
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = sync_time(step, steps)
+    del model, opt
+    return seconds
+
+
+def run_backend(name: str, path: Path, ids: torch.Tensor, steps: int, micro_batch: int) -> tuple[float, str]:
+    from rlserve.config import parse_spec
+    from rlserve.training.batch import TrainBatch
+    from services.learner.backends import make_backend
+
+    seq = ids.shape[1]
+    policy = {"precision": "bfloat16", "max_total_sequence_length": seq, "train_micro_batch_size": micro_batch,
+              "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0}
+    if name == "megatron":
+        policy["megatron_cfg"] = {"enabled": True}
+    spec = parse_spec({"policy": policy, "cluster": {"device": "cuda"}})
+    backend = make_backend(spec, path, torch.device("cuda", 0))
+    batch = TrainBatch.from_sequences(ids.tolist(), [1] * ids.shape[0])  # every token but the first is trained
+    seconds = sync_time(lambda: backend.train_step(batch, "sft", 1e-5), steps)
+    layout = backend.info().parallel_layout
+    del backend
+    return seconds, layout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--backends", nargs="+", default=["plain", "dtensor", "megatron"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from rlserve.training.distributed import init_process_group
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.cuda.set_device(0)
+    init_process_group(0, 1, f"file://{tempfile.mktemp()}", torch.device("cuda", 0))
+    peak = matmul_tflops()
+    path = model_folder(args.preset)
+    per_token = flops_per_token(path, args.seq)
+    from transformers import AutoConfig
+
+    ids = batch_tokens(args.batch, args.seq, AutoConfig.from_pretrained(path).vocab_size)
+    tokens = args.batch * args.seq
+    rows = []
+    for name in args.backends:
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            if name == "plain":
+                seconds, layout = run_plain(path, ids, args.steps), "fsdp2 1 rank"
+            else:
+                seconds, layout = run_backend(name, path, ids, args.steps, args.micro_batch)
+        except Exception as err:  # noqa: BLE001 - report and go on with the other backends
+            rows.append({"backend": name, "error": f"{type(err).__name__}: {err}"[:400]})
+            print(rows[-1], flush=True)
+            continue
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        tps = tokens / seconds
+        rows.append({"backend": name, "layout": layout, "step_s": seconds, "tokens_per_s": tps,
+                     "tflops": tps * per_token / 1e12, "mfu_vs_measured_matmul": tps * per_token / 1e12 / peak,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+        print(rows[-1], flush=True)
+    plain = next((r for r in rows if r["backend"] == "plain" and "tokens_per_s" in r), None)
+    for r in rows:
+        if plain and "tokens_per_s" in r:
+            r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "preset": args.preset,
+              "seq": args.seq, "batch": args.batch, "micro_batch": args.micro_batch,
+              "matmul_bf16_tflops": peak, "flops_per_token": per_token, "rows": rows}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Rollout benchmark, all in one run on the same prompts:
+  - vLLM engine in this process vs the same engine behind the rollout service (gRPC proxy and
+    a Serve handle): the ratio is the service's overhead;
+  - vLLM vs the transformers engine.
+For the `tiny` and `small` presets. Prints a table and writes bench-results/rollout.json.
+
+    .venv/bin/python scripts/bench/rollout.py [--presets tiny small] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.common import record, table, timed  # noqa: E402
+
+PROMPTS, SAMPLES, NEW_TOKENS = 64, 8, 16
+
+
+def prompts(n: int) -> list[list[int]]:
+    from rlserve.data.tasks import get_task
+    from rlserve.models.tokenizer import build_tokenizer
+
+    tok, task, rng = build_tokenizer(), get_task("addition", {}), random.Random(0)
+    return [tok.encode(task.example(rng).prompt).ids for _ in range(n)]
+
+
+def bench_cluster(root: Path, preset: str, port_base: int):
+    import yaml
+
+    from rlserve.cluster.config import load_cluster_file
+    from rlserve.cluster.lifecycle import Cluster
+
+    data = {"name": f"bench-{preset}", "ray_port": port_base, "grpc_port": port_base + 10,
+            "http_port": port_base + 11, "num_cpus": 4, "runs_dir": str(root / "runs"),
+            "services": {"rollout": {"num_cpus": 0.5, "args": {"engine": "vllm", "model": f"preset:{preset}",
+                                                               "max_model_len": 256}}}}
+    path = root / f"{preset}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg, runs = load_cluster_file(path)
+    return Cluster(cfg, runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import tempfile
+
+    import grpc
+    from ray import serve
+
+    from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, serve_config, start_head
+    from rlserve.models import resolve_model
+    from rlserve.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+    from services.rollout.engines import make_engine
+    from services.rollout.interfaces import EngineConfig, SamplingSpec
+
+    ids = prompts(PROMPTS)
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0)
+    request = rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in ids], num_samples=SAMPLES,
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0))
+    rows = []
+    root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
+    for preset in args.presets:
+        path = resolve_model(f"preset:{preset}")
+        cfg = EngineConfig(model_path=path, max_model_len=256)
+
+        def count(out) -> int:
+            return sum(len(s.token_ids) for ss in out for s in ss)
+
+        results = {}
+        for name in ("vllm", "transformers"):
+            engine = make_engine(name, cfg)
+            seconds, out = timed(lambda: engine.generate(ids, SAMPLES, sampling), args.repeats)
+            results[name] = (seconds, count(out))
+            del engine
+        cluster = bench_cluster(root, preset, 6680)
+        start_head(cluster)
+        try:
+            connect(cluster)
+            config = serve_config(cluster.cfg, cluster.runs_dir)
+            config["applications"] = [a for a in config["applications"] if a["name"] == "rollout"]
+            _serve_start(cluster, config)
+            deploy(cluster, config)
+            handle = serve.get_app_handle("rollout")
+            channel = grpc.insecure_channel(cluster.grpc_endpoint)
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            md = (("application", "rollout"),)
+            seconds, resp = timed(lambda: stub.Generate(request, metadata=md), args.repeats)
+            tokens = sum(len(s.token_ids) for c in resp.completions for s in c.samples)
+            results["service (gRPC)"] = (seconds, tokens, resp.engine_seconds)
+            seconds, resp = timed(lambda: handle.Generate.remote(request).result(), args.repeats)
+            results["service (handle)"] = (seconds, tokens, resp.engine_seconds)
+            channel.close()
+        finally:
+            down(cluster)
+        base = results["vllm"][0]
+        for name, (seconds, tokens, *engine_s) in results.items():
+            rows.append({"preset": preset, "path": name, "seconds": seconds, "tokens": tokens,
+                         "tokens_per_s": tokens / seconds, "time_vs_vllm_direct": seconds / base,
+                         "engine_share": (engine_s[0] / seconds) if engine_s else 1.0})
+    print(table(rows, ["preset", "path", "seconds", "tokens", "tokens_per_s", "time_vs_vllm_direct",
+                       "engine_share"]))
+    print("wrote", record("rollout", rows, {"prompts": PROMPTS, "samples": SAMPLES, "max_new_tokens": NEW_TOKENS,
+                                            "repeats": args.repeats}))
+
+
+if __name__ == "__main__":
+    main()
