@@ -53,9 +53,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
+    import statistics
     import tempfile
 
     import grpc
+    import torch
     from ray import serve
 
     from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, serve_config, start_head
@@ -71,19 +73,12 @@ def main() -> None:
         sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0))
     rows = []
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
+    # Serve replicas run with one torch thread (Ray sets OMP_NUM_THREADS=1): so does this process,
+    # so that direct and served engines compete on equal terms.
+    torch.set_num_threads(1)
     for preset in args.presets:
         path = resolve_model(f"preset:{preset}")
         cfg = EngineConfig(model_path=path, max_model_len=256)
-
-        def count(out) -> int:
-            return sum(len(s.token_ids) for ss in out for s in ss)
-
-        results = {}
-        for name in ("vllm", "transformers"):
-            engine = make_engine(name, cfg)
-            seconds, out = timed(lambda: engine.generate(ids, SAMPLES, sampling), args.repeats)
-            results[name] = (seconds, count(out))
-            del engine
         cluster = bench_cluster(root, preset, 6680)
         start_head(cluster)
         try:
@@ -96,19 +91,40 @@ def main() -> None:
             channel = grpc.insecure_channel(cluster.grpc_endpoint)
             stub = rollout_pb2_grpc.RolloutStub(channel)
             md = (("application", "rollout"),)
-            seconds, resp = timed(lambda: stub.Generate(request, metadata=md), args.repeats)
-            tokens = sum(len(s.token_ids) for c in resp.completions for s in c.samples)
-            results["service (gRPC)"] = (seconds, tokens, resp.engine_seconds)
-            seconds, resp = timed(lambda: handle.Generate.remote(request).result(), args.repeats)
-            results["service (handle)"] = (seconds, tokens, resp.engine_seconds)
+            engines = {name: make_engine(name, cfg) for name in ("vllm", "transformers")}
+
+            def served(call):
+                def run():
+                    resp = call()
+                    return sum(len(s.token_ids) for c in resp.completions for s in c.samples), resp.engine_seconds
+                return run
+
+            paths = {
+                "vllm": lambda: (sum(len(s.token_ids) for ss in engines["vllm"].generate(ids, SAMPLES, sampling)
+                                     for s in ss), None),
+                "transformers": lambda: (sum(len(s.token_ids) for ss in engines["transformers"].generate(
+                    ids, SAMPLES, sampling) for s in ss), None),
+                "service (gRPC)": served(lambda: stub.Generate(request, metadata=md)),
+                "service (handle)": served(lambda: handle.Generate.remote(request).result()),
+            }
+            samples = {name: [] for name in paths}
+            for name, fn in paths.items():  # warm-up
+                fn()
+            for _ in range(args.repeats):  # interleaved, so drifts in machine load hit every path alike
+                for name, fn in paths.items():
+                    seconds, (tokens, engine_s) = timed(fn, 1, warmup=0)
+                    samples[name].append((seconds, tokens, engine_s))
             channel.close()
+            del engines
         finally:
             down(cluster)
-        base = results["vllm"][0]
-        for name, (seconds, tokens, *engine_s) in results.items():
-            rows.append({"preset": preset, "path": name, "seconds": seconds, "tokens": tokens,
-                         "tokens_per_s": tokens / seconds, "time_vs_vllm_direct": seconds / base,
-                         "engine_share": (engine_s[0] / seconds) if engine_s else 1.0})
+        med = {name: statistics.median(s for s, _, _ in v) for name, v in samples.items()}
+        for name, values in samples.items():
+            tokens = values[-1][1]
+            engine = [e for _, _, e in values if e is not None]
+            rows.append({"preset": preset, "path": name, "seconds": med[name], "tokens": tokens,
+                         "tokens_per_s": tokens / med[name], "time_vs_vllm_direct": med[name] / med["vllm"],
+                         "engine_share": statistics.median(engine) / med[name] if engine else 1.0})
     print(table(rows, ["preset", "path", "seconds", "tokens", "tokens_per_s", "time_vs_vllm_direct",
                        "engine_share"]))
     print("wrote", record("rollout", rows, {"prompts": PROMPTS, "samples": SAMPLES, "max_new_tokens": NEW_TOKENS,

@@ -157,3 +157,27 @@ def test_sft_warm_start_then_grpo(client):
     assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
     assert any("SFT warm start done after 4 steps" in ev.message for ev in events)
     assert (Path(run.run_dir) / "sft_model" / "model.safetensors").is_file()
+
+
+def test_a_service_that_stays_down_fails_the_run_with_retries_then_an_error(client):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", str(port)],
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert time.time() < deadline and server.poll() is None, "reward server did not start"
+            time.sleep(0.3)
+        run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", reward__functions=None,
+                                 grpo__max_num_steps=100, grpo__val_period=0, checkpointing__enabled=False))
+        wait_for(client, run.run_id, pb.EVENT_KIND_STEP)
+    finally:
+        server.kill()
+        server.wait()
+    events = events_until_end(client, run.run_id)
+    final = client.get(run.run_id)
+    assert final.state == pb.RUN_STATE_FAILED
+    assert "reward.Score still failing after 3 retries" in final.error and "UNAVAILABLE" in final.error
+    retries = [ev for ev in events if ev.kind == pb.EVENT_KIND_RETRY]
+    assert len(retries) == 3 and all("reward.Score" in ev.message for ev in retries)
+    assert any(ev.kind == pb.EVENT_KIND_ERROR for ev in events)

@@ -83,6 +83,9 @@ def apply_fsdp(root: nn.Module, lm: nn.Module, dp_mesh: DeviceMesh, param_dtype:
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
     if cpu_offload:
+        if dp_mesh.device_type != "cuda":
+            raise ValueError("policy.dtensor_cfg.cpu_offload: offloads GPU parameters to host memory; "
+                             "this learner already runs on the CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm)
     for i, layer in enumerate(layers):
