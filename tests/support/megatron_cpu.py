@@ -26,6 +26,23 @@ around it, so it is not patched here.)
 
 These patches never belong in `libs/`: the product path runs on GPUs.
 
+`megatron_cpu_training()` adds the global cuda->cpu shim that the training
+stack (DDP grad buffers, the optimizers, the forward/backward schedules,
+distributed checkpointing) needs on top of those three patches:
+
+4. `torch.cuda.current_device()` is "cpu" for every caller; streams, events,
+   `synchronize`, `empty_cache` and `nvtx` become no-ops (`torch.cuda` is
+   replaced by a stand-in whose other attributes are the real module's).
+5. A `TorchFunctionMode` maps every device argument that names CUDA
+   (`device="cuda"`, `"cuda:N"`, an int, `torch.device("cuda")`) to the CPU,
+   makes `Tensor.cuda()` the identity, and answers `Tensor.type()` with the
+   CUDA type name (`'torch.cuda.FloatTensor'`), which the Megatron optimizers
+   check before they accept a parameter.
+
+The megatron learner backend probes `torch.cuda.current_device()` when it is
+built on a CPU device and refuses to start without CUDA; under this shim the
+probe succeeds, which is how the distributed tests run it on gloo.
+
 `gloo_process_group()` brings up torch.distributed (gloo, 127.0.0.1 only),
 `model_parallel()` megatron's `parallel_state` over it,
 `megatron_single_process()` (fixture: `megatron_world_size_1`) both plus the
@@ -49,6 +66,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 
 class CpuRNGStatesTracker:
@@ -165,6 +183,81 @@ def megatron_cpu(seed: int = 1234) -> Iterator[None]:
             module.torch = torch
         for module in mask_users:
             module.get_default_causal_mask = original_mask
+
+
+class _NoOp:
+    """A callable, context manager and attribute bag that does nothing (CUDA streams, events, nvtx)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _NoOp:
+        return self
+
+    def __getattr__(self, name: str) -> _NoOp:
+        return self
+
+    def __enter__(self) -> _NoOp:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _CudaShim:
+    """`torch.cuda` for the whole process: the current device is the CPU and stream/sync calls do nothing."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    Stream = Event = _NoOp
+    stream = current_stream = default_stream = set_stream = _NoOp()
+    synchronize = empty_cache = _NoOp()
+    nvtx = _NoOp()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _is_cuda(value: Any) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return isinstance(value, str) and value.startswith("cuda")
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Every tensor that megatron asks to put on CUDA lands on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        device = kwargs.get("device")
+        if device is not None and (_is_cuda(device) or isinstance(device, int)):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_cpu_training(seed: int = 1234) -> Iterator[None]:
+    """`megatron_cpu()` plus the global cuda->cpu shim for DDP, optimizers, schedules and checkpoints."""
+    real_cuda = torch.cuda
+    with megatron_cpu(seed):
+        torch.cuda = _CudaShim(real_cuda)
+        try:
+            with _CudaToCpuMode():
+                yield
+        finally:
+            torch.cuda = real_cuda
 
 
 def free_port() -> int:

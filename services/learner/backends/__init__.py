@@ -16,7 +16,13 @@ def _dtensor(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBa
     return DTensorBackend(spec, model_path, device)
 
 
-BACKENDS = {"dtensor": _dtensor}
+def _megatron(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
+    from services.learner.backends.megatron.backend import MegatronBackend
+
+    return MegatronBackend(spec, model_path, device)
+
+
+BACKENDS = {"dtensor": _dtensor, "megatron": _megatron}
 
 
 def make_backend(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:

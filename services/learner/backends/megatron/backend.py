@@ -1,0 +1,331 @@
+"""The Megatron-Core learner backend: GPTModel with TP/PP/EP/SP/DP, Megatron's DDP, optimizer and schedules.
+
+The step has the dtensor backend's semantics exactly (`rlserve.training.objective`
+owns the plan, the losses, the normalisation and the metrics); only the
+machinery differs:
+
+- forward/backward go through `get_forward_backward_func()`, so pipeline
+  parallelism runs Megatron's 1F1B schedule; the loss function it is given
+  computes logprobs of completion tokens from the vocab-parallel logits
+  (`forward.vocab_parallel_logprobs`) and calls `StepObjective.micro_batch_loss`.
+- Gradient scaling. Each micro-batch loss is already divided by the global
+  count of the optimizer minibatch, so the wanted gradient is the plain sum over
+  micro-batches and data-parallel ranks. Megatron's schedule divides each
+  returned loss by the number of micro-batches (and multiplies it by the CP
+  size), and its DDP scales gradients by 1/(dp * cp) before summing them over
+  dp * cp ranks (`calculate_per_token_loss=False`; with `average_in_collective`
+  the average does the same). So the loss function returns
+  loss * dp * num_microbatches, which leaves exactly the sum.
+- Megatron's optimizer (`get_megatron_optimizer`: Adam with decoupled weight
+  decay = AdamW, grad clipping by the global norm, fp32 main params in bf16,
+  optionally the distributed optimizer) steps once per minibatch; weight decay
+  applies to every parameter as in the dtensor backend (`config_overrides={}`).
+- The lr follows `rlserve.training.schedule.lr_factor` with torch LambdaLR's
+  semantics (`LrSchedule`), over the Megatron optimizer's param groups.
+
+Megatron-Core targets CUDA. On a CPU device the backend refuses to start unless
+`torch.cuda.current_device()` works, which only the test shim in
+`tests/support/megatron_cpu.py` makes true.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlserve.config.spec import RunSpec
+from rlserve.models.hf_io import write_hf_folder
+from rlserve.models.hf_megatron import padded_vocab_size
+from rlserve.training.batch import MicroBatch, TrainBatch
+from rlserve.training.objective import StepObjective
+from rlserve.training.schedule import lr_factor
+from rlserve.weights.specs import checkpoint_specs
+from services.learner.backends.megatron import checkpoint
+from services.learner.backends.megatron.config import (
+    Passthrough,
+    ddp_config,
+    optimizer_config,
+    transformer_overrides,
+    use_transformer_engine,
+)
+from services.learner.backends.megatron.forward import (
+    ModelInputs,
+    model_inputs,
+    padded_shape,
+    vocab_parallel_logprobs,
+)
+from services.learner.backends.megatron.parallel import (
+    MegatronLayout,
+    ModelShape,
+    choose_layout,
+    device_memory_bytes,
+    initialize,
+)
+from services.learner.backends.megatron.weights import Exporter, stage_shard
+from services.learner.interfaces import BackendInfo, LearnerBackend, LossName, StepResult
+
+log = logging.getLogger(__name__)
+
+
+def require_cuda(device: torch.device) -> None:
+    """Fail early, and clearly, where Megatron-Core's CUDA-only training stack cannot run."""
+    if device.type == "cuda":
+        return
+    try:
+        # What Megatron's DDP buffers, optimizers and schedules allocate on.
+        torch.empty(0, device=torch.cuda.current_device())
+    except (AssertionError, RuntimeError) as exc:
+        raise RuntimeError(
+            f"the megatron learner backend needs CUDA (Megatron-Core's DDP, optimizer and pipeline "
+            f"schedules allocate on torch.cuda.current_device()), but the learner device is {device}; "
+            f"use policy.dtensor_cfg (the default backend) on CPU") from exc
+
+
+class LrSchedule:
+    """torch's LambdaLR semantics over a Megatron optimizer: lr = base * factor(step), set at step().
+
+    The param groups are looked up at every use: loading optimizer state replaces them.
+    """
+
+    def __init__(self, optimizer, base_lr: float, factor):
+        self.optimizer, self.base_lr, self.factor = optimizer, base_lr, factor
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * self.factor(self.last_epoch)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Like LambdaLR: the current lr is the one the optimizer state brought back (it may be an override).
+        self.last_epoch = int(state["last_epoch"])
+
+
+class MegatronBackend(LearnerBackend):
+    name = "megatron"
+
+    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from rlserve.models.megatron_model import megatron_config_from_hf
+
+        self.spec, self.model_path, self.device = spec, Path(model_path), device
+        passthrough = Passthrough.from_cfg(spec.policy.megatron_cfg)  # ValueError before any collective
+        require_cuda(device)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.num_parameters = sum(int(torch.Size(s.shape).numel()) for s in checkpoint_specs(self.model_path).values())
+        self.use_te = use_transformer_engine(spec.policy.megatron_cfg)
+        self.layout = self._choose_layout()
+        if dist.get_rank() == 0:
+            log.info("megatron layout: %s", self.layout.describe())
+        initialize(self.layout, spec.grpo.seed)
+        torch.manual_seed(spec.grpo.seed)
+        self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        self.pp_last, self.pp_group = ps.is_pipeline_last_stage(), ps.get_pipeline_model_parallel_group()
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.pad_id = self.hf_config.pad_token_id or 0
+
+        self.tconfig = megatron_config_from_hf(self.hf_config, **transformer_overrides(spec, self.layout, passthrough))
+        self.gpt = self._build_model()
+        self._build_training_stack(passthrough)
+        self.exporter = Exporter(self.gpt, self.hf_config, self.use_te, self.tconfig.moe_grouped_gemm)
+        # Sequence parallel splits the sequence over TP.
+        self.pad_multiple = self.layout.tp if self.layout.sequence_parallel else 1
+        self.same_shapes_across_dp = (self.layout.ep > 1 and bool(self.tconfig.num_moe_experts)
+                                      and self.tconfig.moe_token_dispatcher_type == "allgather")
+        self._version = 0
+
+    def _choose_layout(self) -> MegatronLayout:
+        """The parallel layout (parallel.py's rule), refusing combinations Megatron's local spec cannot train."""
+        spec, cfg = self.spec, self.spec.policy.megatron_cfg
+        packing = spec.policy.sequence_packing
+        tokens = packing.train_mb_tokens if packing.enabled else (
+            spec.policy.train_micro_batch_size * spec.policy.max_total_sequence_length)
+        devices = torch.cuda.device_count() if self.device.type == "cuda" else dist.get_world_size()
+        layout = choose_layout(cfg, ModelShape.from_hf(self.hf_config, self.num_parameters), dist.get_world_size(),
+                               device_memory_bytes(self.device), tokens, spec.policy.precision, devices)
+        if getattr(self.hf_config, "num_local_experts", 0) and layout.tp > 1 and not layout.sequence_parallel:
+            raise NotImplementedError(
+                "an MoE model with tensor_model_parallel_size > 1 needs policy.megatron_cfg.sequence_parallel "
+                "(megatron-core's MoE layer refuses to train TP without SP); spread experts with "
+                "expert_model_parallel_size instead")
+        if layout.sequence_parallel and not self.use_te:
+            raise NotImplementedError(
+                "policy.megatron_cfg.sequence_parallel needs the Transformer Engine layer spec: the local spec's "
+                "norm in megatron-core 0.16.1 (WrappedTorchNorm) refuses sequence parallelism")
+        return layout
+
+    def _build_model(self):
+        """This pipeline stage's GPTModel, holding this rank's (TP, EP) shard of the HF weights."""
+        from megatron.core import parallel_state as ps
+
+        from rlserve.models.megatron_model import build_gpt_model, load_megatron_state
+
+        vocab_rows = padded_vocab_size(self.hf_config.vocab_size, self.layout.tp)
+        gpt = build_gpt_model(self.hf_config, self.tconfig, pre_process=ps.is_pipeline_first_stage(),
+                              post_process=ps.is_pipeline_last_stage(), use_te=self.use_te, vocab_size=vocab_rows)
+        ranks = dict(tp_size=self.layout.tp, tp=ps.get_tensor_model_parallel_rank(), ep_size=self.layout.ep,
+                     ep=ps.get_expert_model_parallel_rank(), etp_size=self.layout.etp,
+                     etp=ps.get_expert_tensor_parallel_rank())
+        load_megatron_state(gpt, stage_shard(gpt, self.model_path, self.hf_config, ranks, vocab_rows, self.use_te,
+                                             self.tconfig.moe_grouped_gemm))
+        return gpt
+
+    def _build_training_stack(self, passthrough: Passthrough) -> None:
+        """(bf16: Float16Module ->) DDP with contiguous grad buffers -> Megatron optimizer -> lr schedule."""
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        module, self.forward_kwargs = self.gpt, {}
+        if self.tconfig.bf16:
+            # As Megatron-LM does: cast every parameter to bf16 (the local spec's torch norms are created
+            # in fp32 otherwise, and the distributed optimizer's checkpoint mapping assumes one dtype) and
+            # keep the logits in bf16 (only the scored rows are upcast, in vocab_parallel_logprobs).
+            module = Float16Module(self.tconfig, self.gpt)
+            self.forward_kwargs = {"fp32_output": False}
+        self.model = DistributedDataParallel(self.tconfig, ddp_config(self.spec, passthrough), module)
+        self.tconfig.no_sync_func = self.model.no_sync
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        # config_overrides={}: weight decay on every parameter, as torch's AdamW in the dtensor backend.
+        self.optimizer = get_megatron_optimizer(optimizer_config(self.spec, passthrough), [self.model],
+                                                config_overrides={})
+        sched = self.spec.policy.scheduler
+        self.scheduler = LrSchedule(self.optimizer, self.spec.policy.optimizer.kwargs.lr,
+                                    partial(lr_factor, cfg=sched, total_steps=self.spec.grpo.max_num_steps))
+
+    # --- contract ------------------------------------------------------------
+
+    def info(self) -> BackendInfo:
+        impl = "transformer_engine" if self.use_te else "local"
+        return BackendInfo(self.name, self.layout.world_size, f"{self.layout.describe()}; {impl} layer spec",
+                           self.num_parameters, str(self.device))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
+        t0 = time.perf_counter()
+        objective = StepObjective(self.spec, batch, loss, self.layout.dp, self.dp_rank, self.pad_id)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.model.train()
+        prev = self._prev_logprobs(objective) if objective.needs_prev_logprobs else None
+        grad_norms = []
+        for k, plan in enumerate(objective.plans):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            loss_fn = partial(self._loss, objective, k, prev[k] if prev else None, len(plan))
+            self._run(plan, loss_fn, forward_only=False)
+            ok, norm, _ = self.optimizer.step()
+            if not ok:
+                raise RuntimeError("the Megatron optimizer skipped its step (inf/nan gradients)")
+            grad_norms.append(float(norm if norm is not None else self.optimizer.get_grad_norm()))
+        if lr is None:
+            self.scheduler.step()
+        self._version += 1
+        metrics = self._finalize(objective)
+        metrics["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["policy/lr"] = self.optimizer.param_groups[0]["lr"]
+        elapsed = time.perf_counter() - t0
+        metrics["perf/learner_step_seconds"] = elapsed
+        metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
+        return StepResult(self._version, metrics)
+
+    # --- the step's pieces -----------------------------------------------------
+
+    def _run(self, plan: list[MicroBatch], loss_fn, forward_only: bool) -> list:
+        """Megatron's forward/backward schedule over this rank's micro-batches of one minibatch."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        shapes = [padded_shape(mb, self.pad_multiple) for mb in plan]
+        if self.same_shapes_across_dp:
+            # The MoE allgather dispatcher gathers equal token counts from every EP rank, and EP
+            # ranks hold different data-parallel shards: pad to the largest shape any rank has.
+            common = torch.tensor(shapes, device=self.device)
+            dist.all_reduce(common, op=dist.ReduceOp.MAX, group=self.dp_group)
+            shapes = [tuple(s) for s in common.tolist()]
+        if self.layout.pp > 1:  # stages exchange activations of one shape per schedule call
+            shapes = [tuple(max(dim) for dim in zip(*shapes))] * len(plan)
+        # Built as the schedule asks for them: one micro-batch's inputs (and packed mask) at a time.
+        inputs = ((j, mb.to(self.device), model_inputs(mb, self.device, *shape, self.use_te, self.pad_id))
+                  for j, (mb, shape) in enumerate(zip(plan, shapes)))
+        rows, width = shapes[0]  # the schedule uses it for pipeline p2p only, where all shapes are equal
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, loss_fn, self.forward_kwargs), data_iterator=inputs,
+            model=[self.model], num_microbatches=len(plan), seq_length=width, micro_batch_size=rows,
+            forward_only=forward_only)
+
+    @staticmethod
+    def _forward_step(loss_fn, kwargs, data_iterator, model):
+        j, mb, inputs = next(data_iterator)
+        return model(**inputs.model_kwargs(), **kwargs), partial(loss_fn, j, mb, inputs)
+
+    def _logprobs(self, inputs: ModelInputs, logits: torch.Tensor, with_entropy: bool):
+        rows = logits.flatten(0, 1).index_select(0, inputs.hidden_index)
+        return vocab_parallel_logprobs(rows, inputs.targets, self.hf_config.vocab_size, with_entropy)
+
+    def _loss(self, objective: StepObjective, k: int, prev: list[torch.Tensor] | None, num_microbatches: int,
+              j: int, mb: MicroBatch, inputs: ModelInputs, logits: torch.Tensor):
+        """Last pipeline stage: the shared objective's loss, scaled for Megatron's schedule and DDP."""
+        curr, entropy = self._logprobs(inputs, logits, with_entropy=True)
+        value = objective.micro_batch_loss(k, mb, curr, None if prev is None else prev[j], entropy)
+        # The schedule divides by num_microbatches and DDP averages over dp: undo both (module docstring).
+        return value * (self.layout.dp * num_microbatches), {}
+
+    @torch.no_grad()
+    def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]] | None:
+        """Logprobs under the weights at the start of the step (last stage only), for steps of several updates."""
+
+        def collect(j, mb, inputs, logits):
+            lps, _ = self._logprobs(inputs, logits, with_entropy=False)
+            return lps.sum() * 0.0, {"logprobs": lps}
+
+        out = [self._run(plan, collect, forward_only=True) for plan in objective.plans]
+        return [[d["logprobs"] for d in store] for store in out] if self.pp_last else None
+
+    def _finalize(self, objective: StepObjective) -> dict[str, float]:
+        """Metrics live on the last pipeline stage; every rank returns the same dict."""
+        metrics = objective.finalize(self.dp_group) if self.pp_last else None
+        if self.layout.pp > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=self.pp_last_rank, group=self.pp_group)
+            metrics = box[0]
+        return metrics
+
+    # --- weights and checkpoints -------------------------------------------------
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.exporter.stream(dtype)
+
+    def save_checkpoint(self, path: Path) -> None:
+        checkpoint.save(path, self.gpt, self.optimizer, {"version": self._version,
+                                                          "scheduler": self.scheduler.state_dict()})
+
+    def load_checkpoint(self, path: Path) -> int:
+        extra = checkpoint.load(path, self.gpt, self.optimizer)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self._version = int(extra["version"])
+        return self._version
+
+    def save_hf(self, path: Path) -> None:
+        tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
+        if dist.get_rank() == 0:
+            write_hf_folder(path, tensors, self.model_path, {"version": self._version})
+        dist.barrier()

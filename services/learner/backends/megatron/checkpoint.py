@@ -1,0 +1,119 @@
+"""Checkpoints of the megatron backend: Megatron's distributed checkpoint plus rlserve's extra state.
+
+Layout of a checkpoint folder:
+- `megatron/`: `megatron.core.dist_checkpointing` ("torch_dist", i.e. torch
+  DCP underneath) of `{"model": model.sharded_state_dict(), "optimizer":
+  optimizer.sharded_state_dict(...)}`. Model tensors are stored by their
+  global (unsharded) coordinates, so the weights load under another TP/PP/EP/DP
+  layout. The optimizer state (Adam moments, fp32 main params, step) of the
+  distributed optimizer is stored in its bucket layout ("dp_reshardable"), so it
+  reloads under another DP size only; the non-distributed optimizer's state is
+  per parameter.
+- `rng_rank{r}.pt`: each rank's CPU and CUDA generators and Megatron's
+  tensor-parallel RNG tracker.
+- `extra.pt` (rank 0): version and lr schedule, which the learner app checks for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# The distributed optimizer's format. In megatron-core 0.16.1 with torch's Adam (no Apex/TE) the
+# fully reshardable formats fail: "fully_sharded_model_space" (the default) refuses to build
+# ("ShardedTensor.flattened_range is not supported") and "fully_reshardable" loads without the
+# per-parameter "step" that torch's Adam keeps (KeyError). "dp_reshardable" works (see load()).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded(model, optimizer, is_loading: bool) -> dict:
+    """`model` is the GPTModel itself (the DDP wrapper would prefix every key with "module.")."""
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)}
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(path: Path, model, optimizer, extra: dict) -> None:
+    from megatron.core import dist_checkpointing
+
+    folder = path / "megatron"
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(folder))
+    torch.save(_rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
+    if dist.get_rank() == 0:
+        torch.save(extra, path / "extra.pt")
+    dist.barrier()
+
+
+def _allocate_adam_state(optimizer) -> None:
+    """Give a never-stepped torch Adam(W) its state tensors, which the load then overwrites.
+
+    megatron-core 0.16.1's DistributedOptimizer.state_dict() reads the step of every parameter's
+    state and asserts there is exactly one value; with torch's Adam (no Apex/TE, as on CPU or a GPU
+    image without them) a fresh optimizer has no state yet, so building the sharded state dict for
+    loading fails before anything is read.
+    """
+    for inner in _torch_adams(optimizer):
+        if len(inner.state):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _torch_adams(optimizer) -> list[torch.optim.Optimizer]:
+    inner = [getattr(opt, "optimizer", None) for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o for o in inner if isinstance(o, (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Put the checkpoint's step count back into a torch Adam(W)'s per-parameter state.
+
+    megatron-core 0.16.1's DistributedOptimizer keeps the step of a torch optimizer in its param
+    groups (`group["step"]`, which it restores), then overwrites the per-parameter "step" that
+    torch's Adam reads with the loading template's value while it copies the moments.
+    """
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    inner.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def load(path: Path, model, optimizer) -> dict:
+    """Restore model, optimizer and RNG in place; returns the extra dict that `save` was given."""
+    from megatron.core import dist_checkpointing
+
+    _allocate_adam_state(optimizer)
+    state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path / "megatron"))
+    model.load_state_dict(state["model"])
+    with torch.no_grad():  # the distributed optimizer copies into fp32 shards that are views of leaf params
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(optimizer)
+    rng = path / f"rng_rank{dist.get_rank()}.pt"
+    if rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return torch.load(path / "extra.pt", weights_only=False)
