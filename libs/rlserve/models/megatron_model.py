@@ -170,6 +170,9 @@ def build_gpt_model(
         if transformer_config.moe_grouped_gemm:
             raise NotImplementedError("grouped GEMM experts need the TE spec (use_te=True)")
         spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+        # The local spec's attention materialises [batch, heads, seq, seq] scores; torch's SDPA
+        # runs the same maths in flash / memory-efficient kernels.
+        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     tp = transformer_config.tensor_model_parallel_size
     return GPTModel(
         config=transformer_config,
@@ -209,3 +212,39 @@ def load_megatron_state(model: torch.nn.Module, state: Mapping[str, Tensor]) -> 
     missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
     if missing or result.unexpected_keys:
         raise KeyError(f"Megatron state mismatch: missing {missing[:8]}, unexpected {result.unexpected_keys[:8]}")
+
+
+def sdpa_attention_class():
+    """Megatron's DotProductAttention computed with torch.nn.functional.scaled_dot_product_attention.
+
+    Without Transformer Engine, Megatron's local layer spec attends with baddbmm + softmax + bmm
+    over explicit [b, n, s, s] scores (DotProductAttention), which is slow and memory-hungry at long
+    sequences. This subclass keeps its parameters, layout ([s, b, n, d] in, [s, b, n*d] out) and
+    masks (None: causal; a boolean mask: True = masked out), and hands the maths to SDPA, which
+    picks flash or memory-efficient kernels on GPUs. Configurations SDPA cannot express
+    (query-key layer scaling, a learnable softmax offset, sliding windows, attention dropout)
+    fall back to the parent's forward.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SdpaAttention(DotProductAttention):
+        def _sdpa_ok(self) -> bool:
+            cfg = self.config
+            return (not cfg.apply_query_key_layer_scaling and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
+                    and cfg.window_size is None and not cfg.attention_dropout)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if not self._sdpa_ok() or attention_bias is not None or packed_seq_params is not None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
+            mask = None if attention_mask is None else ~attention_mask
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+                enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+
+    return SdpaAttention
