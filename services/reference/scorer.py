@@ -19,7 +19,7 @@ class Sequence:
 
 
 class ReferenceScorer:
-    def __init__(self, model_path: Path, dtype: str = "float32", token_budget: int = 8192, chunk_rows: int = 2048):
+    def __init__(self, model_path: Path, dtype: str = "float32", token_budget: int = 8192):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -28,7 +28,6 @@ class ReferenceScorer:
         self.vocab_size = self.model.config.vocab_size
         self.max_len = self.model.config.max_position_embeddings
         self.token_budget = token_budget
-        self.chunk_rows = chunk_rows
 
     def _batches(self, seqs: list[Sequence]) -> list[list[int]]:
         """Indices grouped so that (rows x longest row) stays within the token budget."""
@@ -62,7 +61,7 @@ class ReferenceScorer:
             ids, attn, completion = ids.to(self.device), attn.to(self.device), completion.to(self.device)
             hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
             select = completion_positions(completion)
-            lps, _ = gather_logprobs(hidden[select], head, ids[completion], self.chunk_rows)
+            lps, _ = gather_logprobs(hidden[select], head, ids[completion])
             lps = lps.cpu().tolist()
             offset = 0
             for row, i in enumerate(batch):

@@ -78,6 +78,7 @@ class TrainBatch:
 class MicroBatch:
     input_ids: torch.Tensor  # [B, L] (padded) or [1, T] (packed)
     position_ids: torch.Tensor  # same shape; restarts at 0 for every sequence
+    packed: bool  # several sequences per row (attention must stay within each)
     attention_mask: torch.Tensor | None  # [B, L] for padded rows; None when packed
     completion_mask: torch.Tensor  # [B, L] bool: token is a completion token
     # Rows of the flattened [B*L] hidden states that predict a completion token, and those tokens:
@@ -96,7 +97,7 @@ class MicroBatch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return MicroBatch(mv(self.input_ids), mv(self.position_ids), mv(self.attention_mask),
+        return MicroBatch(mv(self.input_ids), mv(self.position_ids), self.packed, mv(self.attention_mask),
                           mv(self.completion_mask), mv(self.hidden_index), mv(self.targets), mv(self.advantages),
                           mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs,
                           self.num_tokens)
@@ -134,7 +135,8 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
             attention = None  # no padding: plain causal attention (the fused kernels' fast path)
     real = [] if dummy else idx
     return MicroBatch(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=attention, completion_mask=completion,
+        input_ids=input_ids, position_ids=position_ids, packed=packed, attention_mask=attention,
+        completion_mask=completion,
         hidden_index=completion_positions(completion).flatten().nonzero().squeeze(1),
         targets=input_ids[completion],
         advantages=batch.advantages[idx].repeat_interleave(comp_lens),

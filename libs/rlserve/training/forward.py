@@ -1,8 +1,8 @@
 """Per-token logprobs of completion tokens, computed from hidden states in row chunks.
 
 Only the positions that predict a completion token are projected onto the
-vocabulary, a chunk of rows at a time, so the temporary fp32 logits never
-exceed chunk_rows x vocab, whatever the batch and sequence length.
+vocabulary, a chunk of rows at a time, so the temporary fp32 logits stay
+within a fixed budget (about 1 GiB) whatever the batch and sequence length.
 """
 
 from __future__ import annotations
@@ -17,13 +17,19 @@ def completion_positions(completion_mask: torch.Tensor) -> torch.Tensor:
     return select
 
 
+LOGITS_BUDGET_BYTES = 2**30
+
+
 def gather_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
-                    chunk_rows: int = 2048, with_entropy: bool = False
+                    chunk_rows: int | None = None, with_entropy: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) for each row of `hidden` [N, H] under logits hidden @ head_weight.T (fp32 math).
 
     Returns ([N] logprobs, [N] entropies or None). Differentiable in hidden and head_weight.
+    `chunk_rows` defaults to the most rows whose fp32 logits fit LOGITS_BUDGET_BYTES: few, large
+    matmuls for big vocabularies, one for small ones.
     """
+    chunk_rows = chunk_rows or max(256, LOGITS_BUDGET_BYTES // (4 * head_weight.shape[0]))
     out, ents = [], []
     # At least one (possibly empty) chunk, so that the result stays connected to the graph: a
     # micro-batch without completion tokens must still run backward (FSDP's collectives).

@@ -40,8 +40,10 @@ class PolicyLogprobs(nn.Module):
         self.lm = lm
 
     def forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.lm.model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                            use_cache=False)
+        # Packed rows need their restarting positions (transformers derives the block-diagonal
+        # mask from them); padded rows use the default positions, which skips that detection.
+        out = self.lm.model(input_ids=mb.input_ids, position_ids=mb.position_ids if mb.packed else None,
+                            attention_mask=mb.attention_mask, use_cache=False)
         hidden = out.last_hidden_state
         if isinstance(hidden, DTensor):  # sequence parallel leaves it sharded along the sequence
             hidden = hidden.full_tensor()
