@@ -2,7 +2,9 @@
 plain transformers + FSDP2 training loop, on the same batch, in one run.
 
   - matmul:   a bf16 8192^3 matmul, the ceiling MFU is measured against (same run, same GPU);
-  - plain:    AutoModelForCausalLM + FSDP2 (bf16 mixed precision) + AdamW, loss = CE over all tokens;
+  - plain:    AutoModelForCausalLM + FSDP2 (bf16 mixed precision) + AdamW, loss = CE over all tokens,
+              never synchronised with the host (the CPU queues steps ahead of the GPU);
+  - plain+sync: the same loop reading its loss every step, as a loop that logs metrics must;
   - dtensor:  rlserve's DTensor/FSDP2 backend, SFT loss over all tokens (the same work);
   - megatron: rlserve's Megatron-Core backend (local spec unless Transformer Engine imports).
 
@@ -73,7 +75,9 @@ def batch_tokens(batch: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(4, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
 
-def run_plain(path: Path, ids: torch.Tensor, steps: int) -> float:
+def run_plain(path: Path, ids: torch.Tensor, steps: int, read_loss: bool) -> float:
+    """The reference loop. With `read_loss` it reads the loss every step, as any loop that logs
+    per-step metrics must (the backends return metrics every step, so they sync every step too)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -91,6 +95,8 @@ def run_plain(path: Path, ids: torch.Tensor, steps: int) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if read_loss:
+            loss.item()
 
     seconds = sync_time(step, steps)
     del model, opt
@@ -123,7 +129,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--backends", nargs="+", default=["plain", "dtensor", "megatron"])
+    parser.add_argument("--backends", nargs="+", default=["plain", "plain+sync", "dtensor", "megatron"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -143,8 +149,9 @@ def main() -> None:
     for name in args.backends:
         torch.cuda.reset_peak_memory_stats()
         try:
-            if name == "plain":
-                seconds, layout = run_plain(path, ids, args.steps), "fsdp2 1 rank"
+            if name.startswith("plain"):
+                seconds = run_plain(path, ids, args.steps, read_loss=name == "plain+sync")
+                layout = "fsdp2 1 rank" + (", loss read every step" if name == "plain+sync" else ", never synced")
             else:
                 seconds, layout = run_backend(name, path, ids, args.steps, args.micro_batch)
         except Exception as err:  # noqa: BLE001 - report and go on with the other backends
