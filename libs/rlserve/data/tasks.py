@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -64,11 +65,12 @@ def _number(rng: random.Random, digits: int) -> int:
     return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
 
 
-class Addition(Task):
-    """`47+85=` -> `231`: the sum zero-padded to digits+1 and written reversed
+class _Arithmetic(Task):
+    """`a OP b=` -> the result zero-padded to a fixed width and, by default, written reversed
     (least significant digit first, which a small model learns far faster)."""
 
-    name = "addition"
+    symbol: ClassVar[str]
+    max_digits: ClassVar[int]
 
     @dataclass(frozen=True)
     class Args:
@@ -77,36 +79,39 @@ class Addition(Task):
 
     @classmethod
     def check_args(cls, args: Any) -> None:
-        if not 1 <= args.digits <= 9:
-            raise ValueError(f"digits: must be in 1..9, got {args.digits}")
+        if not 1 <= args.digits <= cls.max_digits:
+            raise ValueError(f"digits: must be in 1..{cls.max_digits}, got {args.digits}")
+
+    @staticmethod
+    def apply(a: int, b: int) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def width(digits: int) -> int:
+        raise NotImplementedError
 
     def example(self, rng: random.Random) -> Example:
         a, b = _number(rng, self.args.digits), _number(rng, self.args.digits)
-        answer = str(a + b).zfill(self.args.digits + 1)
+        answer = str(self.apply(a, b)).zfill(self.width(self.args.digits))
         if self.args.reverse_answer:
             answer = answer[::-1]
-        return Example(f"{a}+{b}=", answer, {"a": a, "b": b})
+        return Example(f"{a}{self.symbol}{b}=", answer, {"a": a, "b": b})
 
 
-class Multiplication(Task):
-    name = "multiplication"
+class Addition(_Arithmetic):
+    """`47+85=` -> `231` (132 reversed)."""
 
-    @dataclass(frozen=True)
-    class Args:
-        digits: int = 2
-        reverse_answer: bool = True
+    name, symbol, max_digits = "addition", "+", 9
+    apply = staticmethod(operator.add)
+    width = staticmethod(lambda digits: digits + 1)
 
-    @classmethod
-    def check_args(cls, args: Any) -> None:
-        if not 1 <= args.digits <= 6:
-            raise ValueError(f"digits: must be in 1..6, got {args.digits}")
 
-    def example(self, rng: random.Random) -> Example:
-        a, b = _number(rng, self.args.digits), _number(rng, self.args.digits)
-        answer = str(a * b).zfill(2 * self.args.digits)
-        if self.args.reverse_answer:
-            answer = answer[::-1]
-        return Example(f"{a}*{b}=", answer, {"a": a, "b": b})
+class Multiplication(_Arithmetic):
+    """`12*34=` -> `8040` (0408 reversed)."""
+
+    name, symbol, max_digits = "multiplication", "*", 6
+    apply = staticmethod(operator.mul)
+    width = staticmethod(lambda digits: 2 * digits)
 
 
 class Countdown(Task):
