@@ -102,7 +102,7 @@ class Learner:
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
             if isinstance(cause, (ValueError, SpecError)):
-                raise invalid_argument("spec", str(cause).splitlines()[0]) from None
+                raise invalid_argument("request", str(cause).splitlines()[0]) from None
             raise
 
     @grpc_method
