@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,9 +76,9 @@ def batch_tokens(batch: int, seq: int, vocab: int) -> torch.Tensor:
     return torch.randint(4, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
 
-def run_plain(path: Path, ids: torch.Tensor, steps: int, read_loss: bool) -> float:
-    """The reference loop. With `read_loss` it reads the loss every step, as any loop that logs
-    per-step metrics must (the backends return metrics every step, so they sync every step too)."""
+def plain_step(path: Path, ids: torch.Tensor, read_loss: bool) -> Callable[[], None]:
+    """One step of the reference loop. With `read_loss` it reads the loss every step, as any loop
+    that logs per-step metrics must (the backends return metrics every step, so they sync too)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +90,7 @@ def run_plain(path: Path, ids: torch.Tensor, steps: int, read_loss: bool) -> flo
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     ids = ids.cuda()
 
-    def step():
+    def step() -> None:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -98,28 +99,23 @@ def run_plain(path: Path, ids: torch.Tensor, steps: int, read_loss: bool) -> flo
         if read_loss:
             loss.item()
 
-    seconds = sync_time(step, steps)
-    del model, opt
-    return seconds
+    return step
 
 
-def run_backend(name: str, path: Path, ids: torch.Tensor, steps: int, micro_batch: int) -> tuple[float, str]:
+def backend_step(name: str, path: Path, ids: torch.Tensor, micro_batch: int) -> tuple[Callable[[], None], str]:
+    """One SFT step of an rlserve backend over every token of `ids` but the first, and its layout."""
     from rlserve.config import parse_spec
     from rlserve.training.batch import TrainBatch
     from services.learner.backends import make_backend
 
-    seq = ids.shape[1]
-    policy = {"precision": "bfloat16", "max_total_sequence_length": seq, "train_micro_batch_size": micro_batch,
-              "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0}
+    policy = {"precision": "bfloat16", "max_total_sequence_length": ids.shape[1],
+              "train_micro_batch_size": micro_batch, "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0}
     if name == "megatron":
         policy["megatron_cfg"] = {"enabled": True}
-    spec = parse_spec({"policy": policy, "cluster": {"device": "cuda"}})
-    backend = make_backend(spec, path, torch.device("cuda", 0))
-    batch = TrainBatch.from_sequences(ids.tolist(), [1] * ids.shape[0])  # every token but the first is trained
-    seconds = sync_time(lambda: backend.train_step(batch, "sft", 1e-5), steps)
-    layout = backend.info().parallel_layout
-    del backend
-    return seconds, layout
+    backend = make_backend(parse_spec({"policy": policy, "cluster": {"device": "cuda"}}), path,
+                           torch.device("cuda", 0))
+    batch = TrainBatch.from_sequences(ids.tolist(), [1] * ids.shape[0])
+    return (lambda: backend.train_step(batch, "sft", 1e-5)), backend.info().parallel_layout
 
 
 def main() -> None:
@@ -150,10 +146,12 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         try:
             if name.startswith("plain"):
-                seconds = run_plain(path, ids, args.steps, read_loss=name == "plain+sync")
+                step = plain_step(path, ids, read_loss=name == "plain+sync")
                 layout = "fsdp2 1 rank" + (", loss read every step" if name == "plain+sync" else ", never synced")
             else:
-                seconds, layout = run_backend(name, path, ids, args.steps, args.micro_batch)
+                step, layout = backend_step(name, path, ids, args.micro_batch)
+            seconds = sync_time(step, args.steps)
+            del step
         except Exception as err:  # noqa: BLE001 - report and go on with the other backends
             rows.append({"backend": name, "error": f"{type(err).__name__}: {err}"[:400]})
             print(rows[-1], flush=True)

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=18)
     args = parser.parse_args()
 
-    from learner_gpu import batch_tokens, model_folder
+    from learner_gpu import backend_step, batch_tokens, model_folder, plain_step
 
     from rlserve.training.distributed import init_process_group
 
@@ -39,37 +39,9 @@ def main() -> None:
 
     ids = batch_tokens(args.batch, args.seq, AutoConfig.from_pretrained(path).vocab_size)
     if args.backend == "plain":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-        cuda_ids = ids.cuda()
-
-        def step():
-            model(input_ids=cuda_ids, labels=cuda_ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = plain_step(path, ids, read_loss=True)
     else:
-        from rlserve.config import parse_spec
-        from rlserve.training.batch import TrainBatch
-        from services.learner.backends import make_backend
-
-        policy = {"precision": "bfloat16", "max_total_sequence_length": args.seq, "train_micro_batch_size": args.batch,
-                  "generation": {"max_new_tokens": 16}}
-        if args.backend == "megatron":
-            policy["megatron_cfg"] = {"enabled": True}
-        backend = make_backend(parse_spec({"policy": policy, "cluster": {"device": "cuda"}}), path,
-                               torch.device("cuda", 0))
-        batch = TrainBatch.from_sequences(ids.tolist(), [1] * args.batch)
-
-        def step():
-            backend.train_step(batch, "sft", 1e-5)
+        step, _ = backend_step(args.backend, path, ids, args.batch)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
