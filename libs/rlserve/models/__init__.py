@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -19,8 +20,9 @@ def model_cache_dir() -> Path:
 def resolve_model(model_name: str, seed: int = 0) -> Path:
     """Map `policy.model_name` to an HF folder, generating `preset:NAME` models on first use.
 
-    Generation is deterministic in (preset, seed) and lands atomically, so
-    services that resolve the same name concurrently agree on the weights.
+    Generation is deterministic in (preset, seed), happens once under a file
+    lock, and lands atomically (rename), so processes that resolve the same
+    name at the same time wait for one another and load the same folder.
     """
     if not model_name.startswith("preset:"):
         path = Path(model_name).expanduser()
@@ -34,14 +36,15 @@ def resolve_model(model_name: str, seed: int = 0) -> Path:
     if (target / "rlserve_preset.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        make_model(preset, tmp, seed=seed)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "rlserve_preset.json").is_file():
+            return target  # another process made it while this one waited
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
+            make_model(preset, tmp, seed=seed)
+            shutil.rmtree(target, ignore_errors=True)  # a leftover without its marker
             tmp.rename(target)
-        except OSError:
-            if not (target / "rlserve_preset.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
