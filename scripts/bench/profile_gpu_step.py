@@ -39,7 +39,7 @@ def main() -> None:
 
     ids = batch_tokens(args.batch, args.seq, AutoConfig.from_pretrained(path).vocab_size)
     if args.backend == "plain":
-        step = plain_step(path, ids, read_loss=True)
+        step = plain_step(path, ids, read_loss=True, micro_batch=args.batch)
     else:
         step, _ = backend_step(args.backend, path, ids, args.batch)
     for _ in range(2):

@@ -20,6 +20,7 @@ from rlserve.training.batch import MicroBatch, TrainBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
+from rlserve.weights.buckets import to_host
 from rlserve.weights.specs import checkpoint_specs
 from services.learner.backends.dtensor.parallel_dims import ParallelDims
 from services.learner.backends.dtensor.parallelize import parallelize
@@ -74,6 +75,7 @@ class DTensorBackend(LearnerBackend):
         lm.to(device)
         self.model = PolicyLogprobs(lm)
         parallelize(self.model, lm, self.mesh, cfg, self.param_dtype)
+        self.accumulate_unsharded = self.dims.dp == 1 and not cfg.cpu_offload
 
         opt = spec.policy.optimizer.kwargs
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
@@ -103,6 +105,11 @@ class DTensorBackend(LearnerBackend):
         for k, plan in enumerate(objective.plans):
             self.optimizer.zero_grad(set_to_none=True)
             for j, mb in enumerate(plan):
+                # With several data-parallel ranks every micro-batch reduce-scatters its gradients,
+                # which bounds gradient memory to a shard. With one rank the full gradient is the
+                # shard, so accumulate it unsharded and reduce once per optimizer update.
+                if self.accumulate_unsharded:
+                    self.model.set_requires_gradient_sync(j == len(plan) - 1)
                 mb = mb.to(self.device)
                 lps, entropy = self.model(mb, with_entropy=True)
                 loss_value = objective.micro_batch_loss(k, mb, lps, None if prev is None else prev[k][j], entropy)
@@ -141,7 +148,7 @@ class DTensorBackend(LearnerBackend):
                     continue
                 raise ValueError(f"{hf_name}: not in the model's checkpoint layout; the dtensor backend exports "
                                  f"dense HF models (fused-expert MoE needs the megatron backend)")
-            tensor = full.detach().to("cpu", dtype or full.dtype) if rank0 else torch.empty(0)
+            tensor = to_host(full.detach(), dtype) if rank0 else torch.empty(0)
             yield hf_name, tensor
 
     def save_checkpoint(self, path: Path) -> None:

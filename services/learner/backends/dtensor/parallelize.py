@@ -88,10 +88,13 @@ def apply_fsdp(root: nn.Module, lm: nn.Module, dp_mesh: DeviceMesh, param_dtype:
                              "this learner already runs on the CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm)
+    # Resharding after forward frees the gathered copy until backward gathers it again. With one
+    # data-parallel rank (and the weights on the GPU) there is nothing to save: keep it gathered.
+    # Otherwise keep the last layer's gathered anyway: the backward needs it right away.
+    keep_gathered = dp_mesh.size() == 1 and not cpu_offload
     for i, layer in enumerate(layers):
-        # The last layer's parameters are needed right away by the backward: keep them gathered.
-        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kwargs)
-    fully_shard(root, **kwargs)
+        fully_shard(layer, reshard_after_forward=not keep_gathered and i < len(layers) - 1, **kwargs)
+    fully_shard(root, reshard_after_forward=not keep_gathered, **kwargs)
 
 
 def parallelize(root: nn.Module, lm: nn.Module, mesh: DeviceMesh, cfg: DTensorCfg, param_dtype: torch.dtype) -> None:

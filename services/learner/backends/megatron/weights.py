@@ -32,6 +32,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from rlserve.models.hf_megatron import hf_to_megatron, megatron_param_to_hf, tp_split_dim
+from rlserve.weights.buckets import to_host
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -195,4 +196,4 @@ class Exporter:
             for e in range(experts):
                 group = shards[e * entry.shards:(e + 1) * entry.shards]
                 for name, tensor in self._convert(entry, group, e if entry.expert else 0):
-                    yield name, tensor.to("cpu", dtype or tensor.dtype)
+                    yield name, to_host(tensor, dtype)
