@@ -8,15 +8,20 @@ imports Ray, so it runs the same under the learner's Ray workers and under
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
+from rlserve.config.spec import RunSpec
+from rlserve.models.hf_io import write_hf_folder
 from rlserve.training.batch import TrainBatch
+from rlserve.training.objective import StepObjective
 
 LossName = Literal["grpo", "sft"]
 
@@ -37,19 +42,59 @@ class StepResult:
 
 
 class LearnerBackend(ABC):
+    """What a step means is fixed here (`train_step`); a backend supplies the machinery that runs
+    the objective's optimizer updates and reduces its metrics over its ranks."""
+
     name: str
+    # Set by every backend's constructor:
+    spec: RunSpec
+    model_path: Path
+    optimizer: Any  # a torch or Megatron optimizer: param_groups, step
+    scheduler: Any  # LambdaLR semantics: step, state_dict
+    pad_id: int
+    dp_size: int
+    dp_rank: int
+    _version: int
 
     @abstractmethod
     def info(self) -> BackendInfo: ...
 
     @property
-    @abstractmethod
     def version(self) -> int:
         """Number of GRPO/SFT steps applied since the initial weights (version 0)."""
+        return self._version
+
+    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
+        """One step on the whole batch (every rank passes the same batch; each takes its share).
+
+        `lr` overrides the schedule for this step (the SFT warm start); otherwise the schedule
+        advances once per step.
+        """
+        t0 = time.perf_counter()
+        objective = StepObjective(self.spec, batch, loss, self.dp_size, self.dp_rank, self.pad_id)
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        grad_norms = self._run_updates(objective)
+        if lr is None:
+            self.scheduler.step()
+        self._version += 1
+        metrics = self._finalize(objective)
+        metrics["policy/grad_norm"] = sum(float(n) for n in grad_norms) / len(grad_norms)
+        metrics["policy/lr"] = self.optimizer.param_groups[0]["lr"]
+        elapsed = time.perf_counter() - t0
+        metrics["perf/learner_step_seconds"] = elapsed
+        metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
+        return StepResult(self._version, metrics)
 
     @abstractmethod
-    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
-        """One step on the whole batch (every rank passes the same batch; each takes its share)."""
+    def _run_updates(self, objective: StepObjective) -> list[float | torch.Tensor]:
+        """Forward/backward and one optimizer update per planned minibatch; their grad norms
+        (device tensors are fine: they are read after `_finalize`)."""
+
+    @abstractmethod
+    def _finalize(self, objective: StepObjective) -> dict[str, float]:
+        """The step's metrics reduced over all ranks; every rank returns the same dict."""
 
     @abstractmethod
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -64,6 +109,9 @@ class LearnerBackend(ABC):
     def load_checkpoint(self, path: Path) -> int:
         """Restore what save_checkpoint wrote; returns the version."""
 
-    @abstractmethod
     def save_hf(self, path: Path) -> None:
-        """Write the policy as an HF folder (config, tokenizer, safetensors) from rank 0."""
+        """Write the policy as an HF folder (config, tokenizer, fp32 safetensors) from rank 0."""
+        tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
+        if dist.get_rank() == 0:
+            write_hf_folder(path, tensors, self.model_path, {"version": self._version})
+        dist.barrier()

@@ -8,7 +8,7 @@ import torch
 
 from rlserve.config import parse_spec
 from rlserve.models import resolve_model
-from rlserve.training.batch import TrainBatch
+from tests.support.batches import random_grpo_batch
 from tests.support.dist import run_ranks
 
 STEPS = 3
@@ -23,19 +23,6 @@ def spec_dict(world: int, tp: int = 1, sp: bool = False, packed: bool = False, *
             "loss_fn": {"reference_policy_kl_penalty": 0.05, "use_importance_sampling_correction": True, **loss}}
 
 
-def make_batch(seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    seqs, prompts, advs, gen, ref = [], [], [], [], []
-    for _ in range(12):
-        p, c = int(torch.randint(3, 8, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
-        seqs.append(torch.randint(4, 60, (p + c,), generator=g).tolist())
-        prompts.append(p)
-        advs.append(float(torch.randn(1, generator=g)))
-        gen.append((-2 - torch.rand(c, generator=g)).tolist())
-        ref.append((-2 - torch.rand(c, generator=g)).tolist())
-    return TrainBatch.from_sequences(seqs, prompts, advs, gen, ref)
-
-
 def train(rank: int, world: int, spec: dict, steps: int, save_to: str | None = None, load: str | None = None):
     from pathlib import Path
 
@@ -46,7 +33,7 @@ def train(rank: int, world: int, spec: dict, steps: int, save_to: str | None = N
         backend.load_checkpoint(Path(load))
     losses = []
     for _ in range(steps):
-        losses.append(backend.train_step(make_batch(backend.version), "grpo").metrics["loss/total"])
+        losses.append(backend.train_step(random_grpo_batch(backend.version), "grpo").metrics["loss/total"])
     if save_to:
         backend.save_checkpoint(Path(save_to))
     weights = {n: t.clone() for n, t in backend.export_weights()}

@@ -26,8 +26,8 @@ pytest.importorskip("megatron.core")
 
 from rlserve.config import parse_spec
 from rlserve.models import resolve_model
-from rlserve.training.batch import TrainBatch
 from rlserve.weights.specs import checkpoint_specs
+from tests.support.batches import random_grpo_batch
 from tests.support.dist import run_ranks
 
 STEPS = 5
@@ -47,20 +47,6 @@ def spec_dict(world: int, backend: str = "megatron", model: str = "preset:tiny",
             "loss_fn": {"reference_policy_kl_penalty": 0.05, "use_importance_sampling_correction": True}}
 
 
-def make_batch(seed: int) -> TrainBatch:
-    """12 sequences of random lengths (vocab 4..59: both presets have 62 tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    seqs, prompts, advs, gen, ref = [], [], [], [], []
-    for _ in range(12):
-        p, c = int(torch.randint(3, 8, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
-        seqs.append(torch.randint(4, 60, (p + c,), generator=g).tolist())
-        prompts.append(p)
-        advs.append(float(torch.randn(1, generator=g)))
-        gen.append((-2 - torch.rand(c, generator=g)).tolist())
-        ref.append((-2 - torch.rand(c, generator=g)).tolist())
-    return TrainBatch.from_sequences(seqs, prompts, advs, gen, ref)
-
-
 def train(rank: int, spec: dict, steps: int, save_to: str | None = None, load: str | None = None,
           loss: str = "grpo", lr_at: dict[int, float] | None = None) -> dict:
     """Build the spec's backend, optionally load, take `steps` steps (lr overridden at the versions in
@@ -71,7 +57,8 @@ def train(rank: int, spec: dict, steps: int, save_to: str | None = None, load: s
     backend = make_backend(parsed, resolve_model(parsed.policy.model_name), torch.device("cpu"))
     if load:
         backend.load_checkpoint(Path(load))
-    metrics = [backend.train_step(make_batch(backend.version), loss, (lr_at or {}).get(backend.version)).metrics
+    lr_at = lr_at or {}
+    metrics = [backend.train_step(random_grpo_batch(backend.version), loss, lr_at.get(backend.version)).metrics
                for _ in range(steps)]
     if save_to:
         backend.save_checkpoint(Path(save_to))

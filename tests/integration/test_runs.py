@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
 from tests.integration.runs_support import TERMINAL, events_until_end, metric_events, spec, wait_for
+from tests.support.dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,21 +109,23 @@ def test_unknown_runs_are_not_found(client):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_reward_server(**popen_kwargs) -> tuple[subprocess.Popen, int]:
+    """The standalone reward server (scripts/reward_server.py) on a free loopback port, once it accepts."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", str(port)],
+                              **popen_kwargs)
+    deadline = time.time() + 60
+    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        if time.time() > deadline or server.poll() is not None:
+            server.kill()
+            raise AssertionError("reward server did not start")
+        time.sleep(0.3)
+    return server, port
 
 
 def test_an_external_reward_server_replaces_the_reward_service(client):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", str(port)],
-                              stderr=subprocess.PIPE, text=True)
+    server, port = start_reward_server(stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-            assert time.time() < deadline and server.poll() is None, "reward server did not start"
-            time.sleep(0.3)
         run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", reward__functions=None,
                                  grpo__max_num_steps=2))
         events_until_end(client, run.run_id)
@@ -160,14 +163,8 @@ def test_sft_warm_start_then_grpo(client):
 
 
 def test_a_service_that_stays_down_fails_the_run_with_retries_then_an_error(client):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(REPO / "scripts" / "reward_server.py"), "--port", str(port)],
-                              stderr=subprocess.DEVNULL)
+    server, port = start_reward_server(stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-            assert time.time() < deadline and server.poll() is None, "reward server did not start"
-            time.sleep(0.3)
         run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", reward__functions=None,
                                  grpo__max_num_steps=100, grpo__val_period=0, checkpointing__enabled=False))
         wait_for(client, run.run_id, pb.EVENT_KIND_STEP)

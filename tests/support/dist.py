@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -10,6 +11,13 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for servers and gloo groups the tests start)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, results) -> None:

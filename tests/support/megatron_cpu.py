@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -67,6 +66,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from tests.support.dist import free_port
 
 
 class CpuRNGStatesTracker:
@@ -258,12 +259,6 @@ def megatron_cpu_training(seed: int = 1234) -> Iterator[None]:
                 yield
         finally:
             torch.cuda = real_cuda
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

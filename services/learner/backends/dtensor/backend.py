@@ -3,7 +3,6 @@ data-parallel dim and DTensor tensor parallel over the tensor dim."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from rlserve.config.spec import RunSpec
-from rlserve.models.hf_io import write_hf_folder
-from rlserve.training.batch import MicroBatch, TrainBatch
+from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
@@ -24,7 +22,7 @@ from rlserve.weights.buckets import to_host
 from rlserve.weights.specs import checkpoint_specs
 from services.learner.backends.dtensor.parallel_dims import ParallelDims
 from services.learner.backends.dtensor.parallelize import parallelize
-from services.learner.interfaces import BackendInfo, LearnerBackend, LossName, StepResult
+from services.learner.interfaces import BackendInfo, LearnerBackend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,7 +61,7 @@ class DTensorBackend(LearnerBackend):
         cfg = spec.policy.dtensor_cfg
         self.dims = ParallelDims.from_world(dist.get_world_size(), cfg.tensor_parallel_size)
         self.mesh = self.dims.build_mesh(device.type)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.dp_size, self.dp_rank = self.dims.dp, self.mesh["dp"].get_local_rank()
         self.param_dtype = _DTYPES[spec.policy.precision]
         torch.manual_seed(spec.grpo.seed)
 
@@ -90,16 +88,7 @@ class DTensorBackend(LearnerBackend):
         return BackendInfo(self.name, self.dims.world_size, self.dims.describe(), self.num_parameters,
                            str(self.device))
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
-        t0 = time.perf_counter()
-        objective = StepObjective(self.spec, batch, loss, self.dims.dp, self.dp_rank, self.pad_id)
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+    def _run_updates(self, objective: StepObjective) -> list[torch.Tensor]:
         prev = self._prev_logprobs(objective) if objective.needs_prev_logprobs else None
         grad_norms = []
         for k, plan in enumerate(objective.plans):
@@ -117,16 +106,10 @@ class DTensorBackend(LearnerBackend):
                 # normalised by global counts, so undo that average.
                 (loss_value * self.dims.dp).backward()
             grad_norms.append(self._clip_and_step())
-        if lr is None:
-            self.scheduler.step()
-        self._version += 1
-        metrics = objective.finalize(self.mesh["dp"].get_group())
-        metrics["policy/grad_norm"] = torch.stack(grad_norms).mean().item()
-        metrics["policy/lr"] = self.optimizer.param_groups[0]["lr"]
-        elapsed = time.perf_counter() - t0
-        metrics["perf/learner_step_seconds"] = elapsed
-        metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
-        return StepResult(self._version, metrics)
+        return grad_norms
+
+    def _finalize(self, objective: StepObjective) -> dict[str, float]:
+        return objective.finalize(self.mesh["dp"].get_group())
 
     @torch.no_grad()
     def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
@@ -172,12 +155,6 @@ class DTensorBackend(LearnerBackend):
             torch.set_rng_state(torch.load(rng, weights_only=False)["rng"])
         self._version = int(extra["version"])
         return self._version
-
-    def save_hf(self, path: Path) -> None:
-        tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
-        if dist.get_rank() == 0:
-            write_hf_folder(path, tensors, self.model_path, {"version": self._version})
-        dist.barrier()
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:

@@ -31,7 +31,6 @@ Megatron-Core targets CUDA. On a CPU device the backend refuses to start unless
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -40,9 +39,8 @@ import torch
 import torch.distributed as dist
 
 from rlserve.config.spec import RunSpec
-from rlserve.models.hf_io import write_hf_folder
 from rlserve.models.hf_megatron import padded_vocab_size
-from rlserve.training.batch import MicroBatch, TrainBatch
+from rlserve.training.batch import MicroBatch
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
 from rlserve.weights.specs import checkpoint_specs
@@ -68,7 +66,7 @@ from services.learner.backends.megatron.parallel import (
     initialize,
 )
 from services.learner.backends.megatron.weights import Exporter, stage_shard
-from services.learner.interfaces import BackendInfo, LearnerBackend, LossName, StepResult
+from services.learner.interfaces import BackendInfo, LearnerBackend
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +132,8 @@ class MegatronBackend(LearnerBackend):
             log.info("megatron layout: %s", self.layout.describe())
         initialize(self.layout, spec.grpo.seed)
         torch.manual_seed(spec.grpo.seed)
-        self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        self.dp_size, self.dp_rank = self.layout.dp, ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
         self.pp_last, self.pp_group = ps.is_pipeline_last_stage(), ps.get_pipeline_model_parallel_group()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.pad_id = self.hf_config.pad_token_id or 0
@@ -215,16 +214,7 @@ class MegatronBackend(LearnerBackend):
         return BackendInfo(self.name, self.layout.world_size, f"{self.layout.describe()}; {impl} layer spec",
                            self.num_parameters, str(self.device))
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
-        t0 = time.perf_counter()
-        objective = StepObjective(self.spec, batch, loss, self.layout.dp, self.dp_rank, self.pad_id)
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+    def _run_updates(self, objective: StepObjective) -> list[float]:
         self.model.train()
         prev = self._prev_logprobs(objective) if objective.needs_prev_logprobs else None
         grad_norms = []
@@ -237,16 +227,7 @@ class MegatronBackend(LearnerBackend):
             if not ok:
                 raise RuntimeError("the Megatron optimizer skipped its step (inf/nan gradients)")
             grad_norms.append(float(norm if norm is not None else self.optimizer.get_grad_norm()))
-        if lr is None:
-            self.scheduler.step()
-        self._version += 1
-        metrics = self._finalize(objective)
-        metrics["policy/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["policy/lr"] = self.optimizer.param_groups[0]["lr"]
-        elapsed = time.perf_counter() - t0
-        metrics["perf/learner_step_seconds"] = elapsed
-        metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
-        return StepResult(self._version, metrics)
+        return grad_norms
 
     # --- the step's pieces -----------------------------------------------------
 
@@ -323,9 +304,3 @@ class MegatronBackend(LearnerBackend):
         self.scheduler.load_state_dict(extra["scheduler"])
         self._version = int(extra["version"])
         return self._version
-
-    def save_hf(self, path: Path) -> None:
-        tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
-        if dist.get_rank() == 0:
-            write_hf_folder(path, tensors, self.model_path, {"version": self._version})
-        dist.barrier()
