@@ -46,9 +46,9 @@ def main() -> None:
     import torch
 
     from rlserve.config import parse_spec
+    from rlserve.learner.dtensor.backend import DTensorBackend
     from rlserve.models import resolve_model
     from rlserve.training.distributed import init_process_group
-    from services.learner.backends.dtensor.backend import DTensorBackend
 
     torch.set_num_threads(2)
     init_process_group(0, 1, f"file://{tempfile.mktemp()}", torch.device("cpu"))

@@ -36,7 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
 import torch  # noqa: E402
 
-from services.learner.interfaces import LearnerBackend  # noqa: E402
+from rlserve.learner.interfaces import LearnerBackend  # noqa: E402
 
 
 def sync_time(fn, steps: int, warmup: int = 2) -> float:
@@ -115,8 +115,8 @@ def backend_step(name: str, path: Path, ids: torch.Tensor, micro_batch: int
                  ) -> tuple[Callable[[], None], LearnerBackend]:
     """One SFT step of an rlserve backend over every token of `ids` but the first, and the backend."""
     from rlserve.config import parse_spec
+    from rlserve.learner import make_backend
     from rlserve.training.batch import TrainBatch
-    from services.learner.backends import make_backend
 
     policy = {"precision": "bfloat16", "max_total_sequence_length": ids.shape[1],
               "train_micro_batch_size": micro_batch, "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0}

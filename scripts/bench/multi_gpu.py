@@ -89,7 +89,7 @@ def train_phase(args: argparse.Namespace, backend_name: str, megatron_cfg: dict,
     from transformers import AutoConfig
 
     from rlserve.config import parse_spec
-    from services.learner.backends import make_backend
+    from rlserve.learner import make_backend
 
     path = Path(args.model)
     policy = {"precision": "bfloat16" if device.type == "cuda" else "float32",

@@ -62,9 +62,9 @@ def main() -> None:
 
     from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, serve_config, start_head
     from rlserve.models import resolve_model
+    from rlserve.rollout import make_engine
+    from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
     from rlserve.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-    from services.rollout.engines import make_engine
-    from services.rollout.interfaces import EngineConfig, SamplingSpec
 
     ids = prompts(PROMPTS)
     sampling = SamplingSpec(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=0)

@@ -16,6 +16,7 @@ from ray import serve
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
+from rlserve.data.prompts import PromptTokenizer
 from rlserve.logs import setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
@@ -25,7 +26,7 @@ from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.calls import RetryPolicy, ServiceCalls, ServiceFailure
 from services.coordinator.loop import LoopSettings, run_grpo
-from services.coordinator.rollouts import PromptTokenizer, reward_functions
+from services.coordinator.rollouts import reward_functions
 from services.coordinator.runs import RunManager
 
 log = logging.getLogger("rlserve.coordinator")

@@ -12,15 +12,12 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
-from services.coordinator.buffer import Group
+from services.coordinator.context import Context
+from services.coordinator.groups import Group
 from services.coordinator.ledger import Ledger
-
-if TYPE_CHECKING:
-    from services.coordinator.loop import Context
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -42,7 +39,7 @@ async def save(ctx: Context, step: int) -> Path:
         "step": step, "weight_version": resp.weight_version, "produced_steps": ctx.produced_steps,
         "sampler": ctx.sampler.state(), "ledger": run.ledger.to_dict(), "reward_version": ctx.reward_version,
         "init_model": str(ctx.init_model), "initial_val": ctx.initial_val,
-        "buffer": [dataclasses.asdict(g) for g in ctx.buffer.snapshot()],
+        "buffer": [dataclasses.asdict(g) for g in ctx.queue.snapshot()],
     }
     tmp = folder / ".coordinator.json.tmp"
     tmp.write_text(json.dumps(state) + "\n")
@@ -72,7 +69,7 @@ async def restore(ctx: Context) -> bool:
     ctx.produced_steps = state["produced_steps"]
     ctx.sampler.restore(state["sampler"])
     run.ledger = Ledger.from_dict(state["ledger"])
-    ctx.buffer.restore([Group(**g) for g in state["buffer"]])
+    ctx.queue.restore([Group(**g) for g in state["buffer"]])
     ctx.reward_version = state["reward_version"]
     ctx.initial_val = state["initial_val"]
     ctx.emit(pb.EVENT_KIND_INFO, f"resumed from {folder.name} (version {run.version}, "

@@ -1,10 +1,11 @@
 """The async GRPO loop of one run.
 
 A producer keeps generation ahead of training: it generates step k's groups
-as soon as the trainer has finished step k - max_age (with max_age =
-`grpo.async_grpo.max_trajectory_age_steps`, 0 when async is off), so with
-max_age 0 the loop is plain synchronous on-policy GRPO and with max_age >= 1
-generation for step k overlaps training of step k - 1. The trainer takes
+as soon as they cannot be more than max_age weight versions old when trained
+(`staleness.py`; max_age = `grpo.async_grpo.max_trajectory_age_steps`, 0
+when async is off), so with max_age 0 the loop is plain synchronous
+on-policy GRPO and with max_age >= 1 generation for step k overlaps training
+of step k - 1. The trainer takes
 one step's groups, drops the stale, errored and signal-less ones (counted in
 the ledger), computes group-relative advantages, trains, and publishes the
 new weights to the rollout service.
@@ -15,78 +16,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import ray
 import torch
 
 from rlserve.algorithms.advantages import group_advantages, zero_variance_groups
-from rlserve.data.dataset import PromptSampler, build_splits
-from rlserve.models import resolve_model
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
-from rlserve.v1 import learner_pb2, rollout_pb2
+from rlserve.v1 import learner_pb2
 from services.coordinator import checkpoints
-from services.coordinator.buffer import Group, ReplayBuffer
-from services.coordinator.calls import RetryPolicy, ServiceCalls
-from services.coordinator.rollouts import PromptTokenizer, evaluate, rollout_groups
+from services.coordinator.calls import ServiceCalls
+from services.coordinator.context import Context, LoopSettings
+from services.coordinator.groups import Group
+from services.coordinator.rollouts import rollout_groups
 from services.coordinator.runs import Run
 from services.coordinator.sft import sft_warm_start
 from services.coordinator.sync import sync_weights
+from services.coordinator.validation import validate
 
 log = logging.getLogger("rlserve.coordinator")
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    apps: dict[str, str]
-    weight_store: str
-    retry: RetryPolicy
-    watchdog_timeout_s: float
-
-
-class Context:
-    """Everything one run's tasks share."""
-
-    def __init__(self, run: Run, calls: ServiceCalls, settings: LoopSettings):
-        spec = run.spec
-        self.run, self.spec, self.calls, self.settings = run, spec, calls, settings
-        self.model_path = resolve_model(spec.policy.model_name, spec.policy.model_seed)
-        self.tok = PromptTokenizer(self.model_path)
-        self.splits = build_splits(spec.data)
-        self.val_examples = self.splits.val[: spec.grpo.max_val_samples]
-        self.sampler = PromptSampler(self.splits.train, spec.data.seed)
-        self.buffer = ReplayBuffer()
-        self.max_age = spec.grpo.max_age
-        # The GRPO phase starts from this policy (the SFT output when warm-starting); it is also the reference.
-        self.init_model = self.model_path
-        self.produced_steps = 0  # steps whose groups are in the buffer or trained
-        self.trainer_step = 0  # steps the trainer has finished (trained or skipped)
-        self.trainer_moved = asyncio.Condition()
-        self.reward_version: str | None = None
-        self.timings: dict[int, dict[str, float]] = {}
-        self.last_progress = time.monotonic()
-        self.initial_val: float | None = None
-
-    def progress(self) -> None:
-        self.last_progress = time.monotonic()
-
-    def emit(self, kind: int, message: str, metrics: dict[str, float] | None = None) -> None:
-        self.run.emit(kind, message, metrics)
-
-
-# --- validation ---------------------------------------------------------------------------
-
-
-async def validate(ctx: Context, step: int) -> dict[str, float]:
-    metrics = await evaluate(ctx.calls, ctx.spec, ctx.run.run_id, ctx.tok, ctx.val_examples, ctx.run.version)
-    if ctx.initial_val is None:
-        ctx.initial_val = metrics["val/reward"]
-    metrics["val/reward_initial"] = ctx.initial_val
-    ctx.emit(pb.EVENT_KIND_VALIDATION, f"held-out reward {metrics['val/reward']:.3f} at step {step} "
-             f"(version {ctx.run.version}, {len(ctx.val_examples)} prompts)", metrics)
-    ctx.progress()
-    return metrics
 
 
 # --- producer ---------------------------------------------------------------------------
@@ -98,7 +46,7 @@ async def produce(ctx: Context) -> None:
     while ctx.produced_steps < spec.grpo.max_num_steps:
         step = ctx.produced_steps
         async with ctx.trainer_moved:
-            await ctx.trainer_moved.wait_for(lambda: ctx.trainer_step >= step - ctx.max_age)
+            await ctx.trainer_moved.wait_for(lambda: ctx.staleness.may_generate(step - ctx.trainer_step))
         first = ctx.sampler.epoch * len(ctx.splits.train) + ctx.sampler.index
         examples = ctx.sampler.take(spec.grpo.num_prompts_per_step)
         groups, reward_version, timings = await rollout_groups(
@@ -111,7 +59,7 @@ async def produce(ctx: Context) -> None:
         ctx.reward_version = reward_version
         ctx.timings[step] = timings.metrics()
         ctx.produced_steps += 1
-        await ctx.buffer.put(groups)
+        await ctx.queue.put(groups)
         ctx.progress()
 
 
@@ -147,7 +95,7 @@ async def train_step(ctx: Context, step: int) -> dict[str, float]:
     version = ctx.run.version
 
     # 1. This step's groups; the stale ones (older than the bound) are dropped, never trained.
-    fresh, stale = await ctx.buffer.take(spec.grpo.num_prompts_per_step, version, ctx.max_age)
+    fresh, stale = await ctx.queue.take(spec.grpo.num_prompts_per_step, version, ctx.staleness)
     wait_s = time.perf_counter() - t0
     drop(ctx, stale, "stale")
     errored = [g for g in fresh if g.reward_errors]
@@ -159,8 +107,9 @@ async def train_step(ctx: Context, step: int) -> dict[str, float]:
     metrics = {"reward/mean": rewards.mean().item() if rewards.numel() else float("nan"),
                "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
                "reward/max": rewards.max().item() if rewards.numel() else float("nan"),
-               "batch/staleness_mean": sum(version - g.weight_version for g in fresh) / max(1, len(fresh)),
-               "batch/staleness_max": float(max((version - g.weight_version for g in fresh), default=0)),
+               "batch/staleness_mean": sum(ctx.staleness.age(version, g.weight_version) for g in fresh) / max(1, len(fresh)),
+               "batch/staleness_max": float(max((ctx.staleness.age(version, g.weight_version) for g in fresh),
+                                                default=0)),
                "timing/wait_for_rollouts_s": wait_s}
     keep = torch.ones(len(scored), dtype=torch.bool)
     if spec.grpo.skip_zero_advantage_groups and len(scored):
@@ -292,4 +241,4 @@ async def _main(ctx: Context, tasks: list[asyncio.Task]) -> None:
     await finish(ctx)
 
 
-__all__ = ["Context", "LoopSettings", "run_grpo"]
+__all__ = ["LoopSettings", "run_grpo"]

@@ -11,27 +11,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from tokenizers import Tokenizer
 
 from rlserve.config.spec import RunSpec
+from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
 from rlserve.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
-from services.coordinator.buffer import Group
 from services.coordinator.calls import ServiceCalls
-
-
-class PromptTokenizer:
-    """The policy's own tokenizer (tokenizer.json), for prompts and SFT answers."""
-
-    def __init__(self, model_dir: Path):
-        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config = json.loads((model_dir / "config.json").read_text())
-        self.eos_id = int(config["eos_token_id"])
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+from services.coordinator.groups import Group
 
 
 @dataclass
@@ -134,17 +120,3 @@ async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: P
         for g in groups:
             g.ref_logprobs = [list(next(it).logprobs) for _ in g.completions]
     return groups, scored.reward_version, timings
-
-
-async def evaluate(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: PromptTokenizer, examples: list[Example],
-                   min_version: int) -> dict[str, float]:
-    """Mean reward on held-out prompts, one sample each (greedy unless grpo.val_greedy is off)."""
-    timings = BatchTimings()
-    gen = await generate(calls, spec, run_id, [tok.encode(ex.prompt) for ex in examples], 1,
-                         greedy=spec.grpo.val_greedy, seed=spec.grpo.seed, min_version=min_version, timings=timings)
-    texts = [[c.samples[0].text] for c in gen.completions]
-    ids = [[f"{run_id}/val/{i}"] for i in range(len(examples))]
-    scored = await score(calls, spec, run_id, score_items(examples, texts, ids), timings)
-    ok = [r.score for r in scored.results if r.status == reward_pb2.SCORE_STATUS_OK]
-    return {"val/reward": sum(ok) / max(1, len(ok)), "val/reward_errors": float(len(examples) - len(ok)),
-            "val/weight_version": float(gen.weight_version)}

@@ -9,7 +9,6 @@ its output becomes GRPO's initial policy and the KL reference.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ray
 
@@ -17,11 +16,9 @@ from rlserve.data.dataset import PromptSampler
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
-from services.coordinator.rollouts import evaluate
+from services.coordinator.context import Context
 from services.coordinator.sync import sync_weights
-
-if TYPE_CHECKING:
-    from services.coordinator.loop import Context
+from services.coordinator.validation import evaluate
 
 
 async def sft_warm_start(ctx: Context) -> Path:

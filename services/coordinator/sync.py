@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2, rollout_pb2
-
-if TYPE_CHECKING:
-    from services.coordinator.loop import Context
+from services.coordinator.context import Context
 
 
 async def sync_weights(ctx: Context) -> dict[str, float]:

@@ -15,12 +15,12 @@ import ray
 import torch
 
 from rlserve.config import load_spec
+from rlserve.learner import make_backend
+from rlserve.learner.interfaces import BackendInfo, StepResult
 from rlserve.training.batch import TrainBatch
 from rlserve.training.distributed import device_for, init_process_group
 from rlserve.weights.buckets import iter_buckets, tensor_bytes
 from rlserve.weights.store import get_store
-from services.learner.backends import make_backend
-from services.learner.interfaces import BackendInfo, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

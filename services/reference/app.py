@@ -14,9 +14,9 @@ from ray import serve
 from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
+from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.rpc import grpc_method, invalid_argument
 from rlserve.v1 import reference_pb2
-from services.reference.scorer import ReferenceScorer, Sequence
 
 log = logging.getLogger("rlserve.reference")
 

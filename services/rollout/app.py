@@ -21,12 +21,12 @@ from ray import serve
 from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
+from rlserve.rollout import make_engine
+from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
 from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, unavailable
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME, Publication, get_store
-from services.rollout.engines import make_engine
-from services.rollout.interfaces import EngineConfig, SamplingSpec
 
 log = logging.getLogger("rlserve.rollout")
 

@@ -26,7 +26,7 @@ def spec_dict(world: int, tp: int = 1, sp: bool = False, packed: bool = False, *
 def train(rank: int, world: int, spec: dict, steps: int, save_to: str | None = None, load: str | None = None):
     from pathlib import Path
 
-    from services.learner.backends.dtensor.backend import DTensorBackend
+    from rlserve.learner.dtensor.backend import DTensorBackend
 
     backend = DTensorBackend(parse_spec(spec), resolve_model("preset:tiny"), torch.device("cpu"))
     if load:

@@ -51,7 +51,7 @@ def train(rank: int, spec: dict, steps: int, save_to: str | None = None, load: s
           loss: str = "grpo", lr_at: dict[int, float] | None = None) -> dict:
     """Build the spec's backend, optionally load, take `steps` steps (lr overridden at the versions in
     `lr_at`), optionally save, export."""
-    from services.learner.backends import make_backend
+    from rlserve.learner import make_backend
 
     parsed = parse_spec(spec)
     backend = make_backend(parsed, resolve_model(parsed.policy.model_name), torch.device("cpu"))
@@ -192,7 +192,7 @@ def test_save_load_continue_is_bit_identical(world2):
 
 
 def test_unknown_passthrough_keys_name_close_matches():
-    from services.learner.backends.megatron.config import Passthrough
+    from rlserve.learner.megatron.config import Passthrough
 
     cfg = parse_spec(spec_dict(1, recompute_granularty="full", overlap_grad_reduce=True)).policy.megatron_cfg
     with pytest.raises(ValueError, match="recompute_granularty.*did you mean 'recompute_granularity'"):
@@ -210,7 +210,7 @@ def test_unknown_passthrough_keys_name_close_matches():
 
 
 def test_without_cuda_the_backend_refuses_to_start():
-    from services.learner.backends.megatron.backend import MegatronBackend
+    from rlserve.learner.megatron.backend import MegatronBackend
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -221,7 +221,7 @@ def test_without_cuda_the_backend_refuses_to_start():
 
 def test_automatic_layout_grows_model_parallelism_with_the_model():
     from rlserve.config.spec import MegatronCfg
-    from services.learner.backends.megatron.parallel import ModelShape, choose_layout
+    from rlserve.learner.megatron.parallel_dims import ModelShape, choose_layout
 
     gib = 2**30
     small = ModelShape(10**9, 0, 16, 2048, 16, 8, 32000, 0)

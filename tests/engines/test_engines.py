@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 from rlserve.models import resolve_model
 from rlserve.models.factory import make_model
 from rlserve.models.presets import get_preset
-from services.reference.scorer import ReferenceScorer, Sequence
-from services.rollout.engines import make_engine
-from services.rollout.interfaces import EngineConfig, SamplingSpec
+from rlserve.reference.scorer import ReferenceScorer, Sequence
+from rlserve.rollout import make_engine
+from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
 
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7], [30, 31, 32]]
 

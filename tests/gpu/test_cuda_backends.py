@@ -27,7 +27,7 @@ def process_group():
 
 
 def sft_losses(backend_name: str, steps: int = 6) -> list[float]:
-    from services.learner.backends import make_backend
+    from rlserve.learner import make_backend
 
     policy = {"precision": "bfloat16", "max_total_sequence_length": 64, "generation": {"max_new_tokens": 8}}
     if backend_name == "megatron":

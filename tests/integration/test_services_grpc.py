@@ -11,8 +11,17 @@ import pytest
 from ray import serve
 
 from rlserve.rpc import RpcError
-from rlserve.v1 import (common_pb2, learner_pb2, learner_pb2_grpc, reference_pb2, reference_pb2_grpc, reward_pb2,
-                        reward_pb2_grpc, rollout_pb2, rollout_pb2_grpc)
+from rlserve.v1 import (
+    common_pb2,
+    learner_pb2,
+    learner_pb2_grpc,
+    reference_pb2,
+    reference_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
 from tests.integration.conftest import metadata
 
 PROMPT = [8, 11, 41, 12, 9, 47]

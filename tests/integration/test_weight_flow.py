@@ -14,8 +14,8 @@ from ray import serve
 from rlserve.models import resolve_model
 from rlserve.models.factory import make_model
 from rlserve.models.presets import get_preset
+from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from services.reference.scorer import ReferenceScorer, Sequence
 from tests.integration.conftest import metadata
 
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]

@@ -21,7 +21,7 @@ restores it on exit:
    (`fusions/fused_softmax.py`).
 
 (The 0.16.1 MoE router bug without Transformer Engine, `te_general_gemm`
-unbound, hits GPUs too; `rlserve.models.megatron_model.build_gpt_model` works
+unbound, hits GPUs too; `rlserve.learner.megatron.model.build_gpt_model` works
 around it, so it is not patched here.)
 
 These patches never belong in `libs/`: the product path runs on GPUs.

@@ -19,14 +19,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from rlserve.models import resolve_model
-from rlserve.models.hf_megatron import (
-    hf_to_megatron,
-    iter_megatron_to_hf,
-    megatron_param_to_hf,
-    megatron_to_hf,
-    padded_vocab_size,
-    tp_split_dim,
-)
+from rlserve.weights.hf_megatron import hf_to_megatron, megatron_param_to_hf, padded_vocab_size, tp_split_dim
+from tests.support.megatron_convert import iter_megatron_to_hf, megatron_to_hf
 from tests.support.megatron_cpu import megatron_world_size_1, model_parallel, spawn_workers  # noqa: F401 (fixture)
 
 ATOL = 1e-4
@@ -174,7 +168,7 @@ def _megatron_logits(name: str, ids: torch.Tensor, tp: int = 1, ep: int = 1, etp
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rlserve.models.megatron_model import build_gpt_model, load_megatron_state, megatron_config_from_hf
+    from rlserve.learner.megatron.model import build_gpt_model, load_megatron_state, megatron_config_from_hf
 
     config, state, _ = model(name)
     tc = megatron_config_from_hf(config, use_cpu_initialization=True, perform_initialization=False,

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from services.rollout.interfaces import EngineConfig, RolloutEngine
+from rlserve.rollout.interfaces import EngineConfig, RolloutEngine
 
 
 def _vllm(cfg: EngineConfig) -> RolloutEngine:
-    from services.rollout.vllm_engine import VllmEngine
+    from rlserve.rollout.vllm_engine import VllmEngine
 
     return VllmEngine(cfg)
 
 
 def _transformers(cfg: EngineConfig) -> RolloutEngine:
-    from services.rollout.hf_engine import TransformersEngine
+    from rlserve.rollout.hf_engine import TransformersEngine
 
     return TransformersEngine(cfg)
 

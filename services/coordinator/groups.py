@@ -1,14 +1,16 @@
-"""The replay buffer and the staleness rule of the async loop.
+"""Groups (the samples of one prompt) and the FIFO that hands them from producer to trainer.
 
-A group (the samples of one prompt) carries the weight version `g` that
-generated it. A trainer at version `v` may use it only if v - g <= max_age;
-older groups are handed back as dropped, never silently discarded.
+The queue is consumed once: the trainer takes the oldest groups first and
+each group leaves the queue when taken (trained or dropped, always counted in
+the ledger). It is not a replay buffer: nothing is sampled twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+
+from services.coordinator.staleness import StalenessBound
 
 
 @dataclass
@@ -31,12 +33,7 @@ class Group:
         return len(self.completions)
 
 
-def is_fresh(group: Group, version: int, max_age: int) -> bool:
-    """The staleness rule: usable by a trainer at `version` iff its age is within the bound."""
-    return version - group.weight_version <= max_age
-
-
-class ReplayBuffer:
+class GroupQueue:
     """FIFO of groups; `take` waits for n groups and splits them into fresh and stale."""
 
     def __init__(self) -> None:
@@ -51,12 +48,12 @@ class ReplayBuffer:
             self._groups.extend(groups)
             self._changed.notify_all()
 
-    async def take(self, n: int, version: int, max_age: int) -> tuple[list[Group], list[Group]]:
+    async def take(self, n: int, version: int, bound: StalenessBound) -> tuple[list[Group], list[Group]]:
         async with self._changed:
             await self._changed.wait_for(lambda: len(self._groups) >= n)
             batch, self._groups = self._groups[:n], self._groups[n:]
-        fresh = [g for g in batch if is_fresh(g, version, max_age)]
-        stale = [g for g in batch if not is_fresh(g, version, max_age)]
+        fresh = [g for g in batch if bound.is_fresh(version, g.weight_version)]
+        stale = [g for g in batch if not bound.is_fresh(version, g.weight_version)]
         return fresh, stale
 
     def snapshot(self) -> list[Group]:

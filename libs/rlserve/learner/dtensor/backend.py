@@ -8,21 +8,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from rlserve.config.spec import RunSpec
+from rlserve.learner.dtensor import checkpoint, weights
+from rlserve.learner.dtensor.parallel_dims import ParallelDims
+from rlserve.learner.dtensor.parallelize import parallelize
+from rlserve.learner.interfaces import BackendInfo, LearnerBackend
 from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
-from rlserve.weights.buckets import to_host
 from rlserve.weights.specs import checkpoint_specs
-from services.learner.backends.dtensor.parallel_dims import ParallelDims
-from services.learner.backends.dtensor.parallelize import parallelize
-from services.learner.interfaces import BackendInfo, LearnerBackend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -122,37 +120,15 @@ class DTensorBackend(LearnerBackend):
         return norm
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        rank0 = dist.get_rank() == 0
-        for name, param in self.model.named_parameters():
-            hf_name = name.removeprefix("lm.").replace("._checkpoint_wrapped_module", "")
-            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-            if hf_name not in self.export_names:
-                if hf_name == "lm_head.weight" and self.model.lm.config.tie_word_embeddings:
-                    continue
-                raise ValueError(f"{hf_name}: not in the model's checkpoint layout; the dtensor backend exports "
-                                 f"dense HF models (fused-expert MoE needs the megatron backend)")
-            tensor = to_host(full.detach(), dtype) if rank0 else torch.empty(0)
-            yield hf_name, tensor
+        return weights.export_weights(self.model, self.export_names, self.model.lm.config.tie_word_embeddings, dtype)
 
     def save_checkpoint(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
-        torch.save({"rng": torch.get_rng_state()}, path / f"rng_rank{dist.get_rank()}.pt")
-        if dist.get_rank() == 0:
-            torch.save({"version": self._version, "scheduler": self.scheduler.state_dict()}, path / "extra.pt")
-        dist.barrier()
+        checkpoint.save(path, self.model, self.optimizer, {"version": self._version,
+                                                            "scheduler": self.scheduler.state_dict()})
 
     def load_checkpoint(self, path: Path) -> int:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(path / "extra.pt", weights_only=False)
+        extra = checkpoint.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(extra["scheduler"])
-        rng = path / f"rng_rank{dist.get_rank()}.pt"
-        if rng.is_file():
-            torch.set_rng_state(torch.load(rng, weights_only=False)["rng"])
         self._version = int(extra["version"])
         return self._version
 

@@ -39,34 +39,34 @@ import torch
 import torch.distributed as dist
 
 from rlserve.config.spec import RunSpec
-from rlserve.models.hf_megatron import padded_vocab_size
-from rlserve.training.batch import MicroBatch
-from rlserve.training.objective import StepObjective
-from rlserve.training.schedule import lr_factor
-from rlserve.weights.specs import checkpoint_specs
-from services.learner.backends.megatron import checkpoint
-from services.learner.backends.megatron.config import (
+from rlserve.learner.interfaces import BackendInfo, LearnerBackend
+from rlserve.learner.megatron import checkpoint
+from rlserve.learner.megatron.config import (
     Passthrough,
     ddp_config,
     optimizer_config,
     transformer_overrides,
     use_transformer_engine,
 )
-from services.learner.backends.megatron.forward import (
+from rlserve.learner.megatron.forward import (
     ModelInputs,
     model_inputs,
     padded_shape,
     vocab_parallel_logprobs,
 )
-from services.learner.backends.megatron.parallel import (
+from rlserve.learner.megatron.parallel_dims import (
     MegatronLayout,
     ModelShape,
     choose_layout,
     device_memory_bytes,
     initialize,
 )
-from services.learner.backends.megatron.weights import Exporter, stage_shard
-from services.learner.interfaces import BackendInfo, LearnerBackend
+from rlserve.learner.megatron.weights import Exporter, stage_shard
+from rlserve.training.batch import MicroBatch
+from rlserve.training.objective import StepObjective
+from rlserve.training.schedule import lr_factor
+from rlserve.weights.hf_megatron import padded_vocab_size
+from rlserve.weights.specs import checkpoint_specs
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class MegatronBackend(LearnerBackend):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
-        from rlserve.models.megatron_model import megatron_config_from_hf
+        from rlserve.learner.megatron.model import megatron_config_from_hf
 
         self.spec, self.model_path, self.device = spec, Path(model_path), device
         passthrough = Passthrough.from_cfg(spec.policy.megatron_cfg)  # ValueError before any collective
@@ -172,7 +172,7 @@ class MegatronBackend(LearnerBackend):
         """This pipeline stage's GPTModel, holding this rank's (TP, EP) shard of the HF weights."""
         from megatron.core import parallel_state as ps
 
-        from rlserve.models.megatron_model import build_gpt_model, load_megatron_state
+        from rlserve.learner.megatron.model import build_gpt_model, load_megatron_state
 
         vocab_rows = padded_vocab_size(self.hf_config.vocab_size, self.layout.tp)
         gpt = build_gpt_model(self.hf_config, self.tconfig, pre_process=ps.is_pipeline_first_stage(),

@@ -7,17 +7,17 @@ from pathlib import Path
 import torch
 
 from rlserve.config.spec import RunSpec
-from services.learner.interfaces import LearnerBackend
+from rlserve.learner.interfaces import LearnerBackend
 
 
 def _dtensor(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
-    from services.learner.backends.dtensor.backend import DTensorBackend
+    from rlserve.learner.dtensor.backend import DTensorBackend
 
     return DTensorBackend(spec, model_path, device)
 
 
 def _megatron(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
-    from services.learner.backends.megatron.backend import MegatronBackend
+    from rlserve.learner.megatron.backend import MegatronBackend
 
     return MegatronBackend(spec, model_path, device)
 

@@ -2,9 +2,9 @@
 
 `megatron_config_from_hf` picks the TransformerConfig whose forward equals
 the HF model's (checked to 1e-4 in fp32 on the tiny presets by
-`tests/unit/models/test_hf_megatron.py`); `build_gpt_model` builds the model
+`tests/unit/weights/test_hf_megatron.py`); `build_gpt_model` builds the model
 with the local layer spec (or the Transformer Engine spec on GPUs); weights
-come from `rlserve.models.hf_megatron.hf_to_megatron` and go in through
+come from `rlserve.weights.hf_megatron.hf_to_megatron` and go in through
 `load_megatron_state`.
 
 Mixtral routing. HF (`MixtralTopKRouter`): softmax over all expert logits in
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlserve.models.hf_megatron import SUPPORTED_MODEL_TYPES, padded_vocab_size
+from rlserve.weights.hf_megatron import SUPPORTED_MODEL_TYPES, padded_vocab_size
 
 __all__ = ["megatron_config_from_hf", "build_gpt_model", "load_megatron_state", "padded_vocab_size"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from services.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
+from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -1,0 +1,11 @@
+"""Policy training: the backend contract (`interfaces`), its registry, and the two backends.
+
+`dtensor/` and `megatron/` use the same file names for the same job:
+`backend.py` (the LearnerBackend), `parallel_dims.py` (the parallel layout),
+`weights.py` (export to HF names for the generator) and `checkpoint.py`.
+The HF <-> Megatron parameter map is `rlserve.weights.hf_megatron`.
+"""
+
+from rlserve.learner.registry import BACKENDS, make_backend
+
+__all__ = ["BACKENDS", "make_backend"]

@@ -1,0 +1,1 @@
+"""Per-token logprobs of the frozen reference policy (for the KL term)."""
