@@ -25,7 +25,7 @@ from rlserve.v1 import reward_pb2
 from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.calls import RetryPolicy, ServiceCalls, ServiceFailure
-from services.coordinator.loop import LoopSettings, run_grpo
+from services.coordinator.recovery import LoopSettings, run_grpo
 from services.coordinator.rollouts import reward_functions
 from services.coordinator.runs import RunManager
 
@@ -43,6 +43,9 @@ class CoordinatorArgs(BaseModel):
     watchdog_timeout_s: float = 1200.0
     call_retries: int = 5
     call_timeout_s: float = 900.0
+    # Runs an earlier coordinator left running continue from their last checkpoint when this one
+    # starts (and their spec's checkpointing.auto_resume is on); false: they are marked FAILED.
+    resume_on_restart: bool = True
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)
@@ -55,7 +58,7 @@ class Coordinator:
                                                        timeout_s=self.args.call_timeout_s),
                                      watchdog_timeout_s=self.args.watchdog_timeout_s)
         self.manager = RunManager(Path(self.args.runs_dir), lambda run: run_grpo(run, self.settings),
-                                  self._check, self.args.max_concurrent_runs)
+                                  self._check, self.args.max_concurrent_runs, self.args.resume_on_restart)
 
     async def _check(self, spec: RunSpec) -> None:
         """Refuse, at submission, a run that cannot work on this cluster."""
@@ -117,8 +120,13 @@ class Coordinator:
 
 
 def build(args: dict) -> serve.Application:
-    """Serve application builder (`import_path: services.coordinator.app:build`)."""
-    return build_app(Coordinator, CoordinatorArgs, args)
+    """Serve application builder (`import_path: services.coordinator.app:build`).
+
+    A new coordinator replica resumes the runs it finds running on disk, so a redeploy must stop the
+    old replica before the new one starts (no surge), or two coordinators would drive one run.
+    """
+    return build_app(Coordinator, CoordinatorArgs, {**args, "deployment": {**args.get("deployment", {}),
+                                                                          "max_surge_percent": 0}})
 
 
 app = build({})

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -23,12 +25,13 @@ from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
 from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
-from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, unavailable
+from rlserve.rpc import RpcError, aborted, failed_precondition, grpc_method, invalid_argument, unavailable
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME, Publication, get_store
 
 log = logging.getLogger("rlserve.rollout")
+T = TypeVar("T")
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT}
@@ -49,6 +52,18 @@ class RolloutArgs(BaseModel):
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     weight_store: str = DEFAULT_STORE_NAME
+
+
+async def in_thread_to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` in a thread; a cancelled caller (Serve cancels the request when its client gives up)
+    still waits for the thread before it lets go of the engine lock: the engine is not re-entrant, and
+    a weight load must not start while a generation still runs."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
@@ -145,7 +160,7 @@ class Rollout:
         head = await self.store.head.remote()
         if head is not None and head[0] > self.publish_id:
             pub = await self.store.latest.remote()
-            await asyncio.to_thread(self._apply, pub)
+            await in_thread_to_the_end(self._apply, pub)
 
     # --- RPCs --------------------------------------------------------------
 
@@ -181,11 +196,13 @@ class Rollout:
                 raise failed_precondition(f"this rollout serves the weights of run {self.run_id!r}, "
                                           f"not {request.run_id!r}")
             if self.version < request.min_weight_version:
-                raise failed_precondition(f"weight version {request.min_weight_version} is not published "
-                                          f"(newest: {self.version})")
+                # The run's weights are gone from here (the weight store was lost): the caller
+                # must publish them again, which retrying this call cannot do.
+                raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
+                              f"serves {self.version})")
             version = self.version
             t0 = time.perf_counter()
-            outputs = await asyncio.to_thread(self.engine.generate, prompts, n, sampling)
+            outputs = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling)
             engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[
@@ -224,7 +241,7 @@ class Rollout:
                 raise failed_precondition(f"version {request.version} is not the newest publication ({have})")
             if pub.publish_id == self.publish_id:
                 return rollout_pb2.UpdateWeightsResponse(weight_version=self.version, replica_id=self.replica_id)
-            return await asyncio.to_thread(self._apply, pub)
+            return await in_thread_to_the_end(self._apply, pub)
 
     @grpc_method
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest) -> rollout_pb2.GetInfoResponse:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
 
@@ -18,6 +18,9 @@ class ServiceCfg(BaseModel):
     num_cpus: float = Field(0.1, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     env_vars: dict[str, str] = {}
+    # Custom Ray resources each replica needs, e.g. {rollout_slot: 1}: it then runs only on
+    # nodes that offer them (see `nodes`).
+    resources: dict[str, float] = {}
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 
@@ -34,6 +37,19 @@ class ServicesCfg(BaseModel):
     reference: ServiceCfg = _svc(0.25)
     learner: ServiceCfg = _svc(0.1)
     coordinator: ServiceCfg = _svc(0.1)
+
+
+class NodeCfg(BaseModel):
+    """An extra Ray node on this machine, joined to the head (`ray start --address`), on `host`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    # Logical CPUs it offers; 0 keeps everything that asks for CPUs off it (only replicas that ask
+    # for its custom resources go there).
+    num_cpus: int = Field(0, ge=0)
+    resources: dict[str, float] = {}
+    object_store_memory_mb: int = Field(256, ge=78)
 
 
 class ClusterFile(BaseModel):
@@ -55,7 +71,17 @@ class ClusterFile(BaseModel):
     object_store_memory_mb: int = Field(1024, ge=78)
     # Where runs, cluster state and logs go (relative paths: to the cluster file).
     runs_dir: str = "../runs"
+    # Extra local nodes started by `up` after the head (none: one node).
+    nodes: list[NodeCfg] = []
     services: ServicesCfg = ServicesCfg()
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_names(cls, v: list[NodeCfg]) -> list[NodeCfg]:
+        names = [n.name for n in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node names must be unique, got {names}")
+        return v
 
     @property
     def loopback(self) -> bool:
