@@ -60,6 +60,11 @@ class Coordinator:
         self.manager = RunManager(Path(self.args.runs_dir), lambda run: run_grpo(run, self.settings),
                                   self._check, self.args.max_concurrent_runs, self.args.resume_on_restart)
 
+    async def __del__(self) -> None:
+        """Serve's shutdown of this replica: stop the runs without changing their state (they stay RUNNING
+        on disk, and the next coordinator resumes them)."""
+        await self.manager.shutdown()
+
     async def _check(self, spec: RunSpec) -> None:
         """Refuse, at submission, a run that cannot work on this cluster."""
         try:

@@ -162,6 +162,7 @@ class RunManager:
         self.resume_on_restart = resume_on_restart
         self.runs: dict[str, Run] = {}
         self.queue: list[str] = []
+        self.closing = False
         runs_dir.mkdir(parents=True, exist_ok=True)
         self._load_earlier_runs()
 
@@ -251,11 +252,19 @@ class RunManager:
             run.task.cancel()
         return run
 
+    async def shutdown(self) -> None:
+        """The coordinator is going away: stop every run's task, leaving the runs as they are on disk."""
+        self.closing = True
+        tasks = [r.task for r in self.runs.values() if r.task is not None and not r.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def _active(self) -> int:
         return sum(1 for r in self.runs.values() if r.state in (pb.RUN_STATE_RUNNING, pb.RUN_STATE_CANCELLING))
 
     def _schedule(self) -> None:
-        while self.queue and self._active() < self.max_concurrent:
+        while self.queue and self._active() < self.max_concurrent and not self.closing:
             run = self.runs[self.queue.pop(0)]
             run.cancel_requested = False
             run.set_state(pb.RUN_STATE_RUNNING)

@@ -228,10 +228,14 @@ def up(cluster: Cluster) -> dict[str, Any]:
 
 
 def down(cluster: Cluster) -> None:
+    """Stop the applications (the coordinator first, while the services its runs call are still up, so
+    a run is interrupted, not failed, and resumes after `up`), then the extra nodes and the head."""
     if _port_open(cluster.cfg.host, cluster.cfg.ray_port) or cluster.cfg.address:
         connect(cluster)
         from ray import serve
 
+        if "coordinator" in serve.status().applications:
+            serve.delete("coordinator")
         serve.shutdown()
     for name in [n.name for n in cluster.cfg.nodes] + [None]:  # extra nodes first, the head last
         pid = _running_pid(_pid_file(cluster, name))
