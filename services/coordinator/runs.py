@@ -261,7 +261,7 @@ class RunManager:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _active(self) -> int:
-        return sum(1 for r in self.runs.values() if r.state in (pb.RUN_STATE_RUNNING, pb.RUN_STATE_CANCELLING))
+        return sum(1 for r in self.runs.values() if r.task is not None and not r.task.done() and r.state not in TERMINAL)
 
     def _schedule(self) -> None:
         while self.queue and self._active() < self.max_concurrent and not self.closing:

@@ -72,7 +72,7 @@ def test_rollout_rejects_bad_requests(channel, request_, field):
     assert stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout")).engine == "vllm"
 
 
-def test_rollout_through_a_handle(test_cluster):
+def test_rollout_through_a_handle(ray_driver):
     handle = serve.get_app_handle("rollout")
     resp = handle.Generate.remote(gen_request(n=2, seed=4)).result()
     assert len(resp.completions[0].samples) == 2 and resp.replica_id

@@ -144,8 +144,10 @@ def start_node(cluster: Cluster, index: int) -> None:
            # Ray's fixed default would collide with the head's (and other nodes') agent on one machine.
            f"--dashboard-agent-listen-port={cfg.ray_port + 10 + index}"]
     log = open(cluster.state_dir / f"ray-node-{node.name}.log", "ab")
+    # The loopback switch also refuses to join nodes; with the node address given explicitly it is
+    # not needed here (the node's processes get that address from the raylet).
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **cluster.env()})
+                            env={**os.environ, **cluster.env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
     log.close()
     pid_file.write_text(f"{proc.pid}\n")
     connect(cluster)
