@@ -41,13 +41,13 @@ def main() -> None:
     import yaml
 
     from rlserve.clients.coordinator import CoordinatorClient
-    from rlserve.cluster.config import load_cluster_file
+    from rlserve.cluster.config import default_cluster_file, load_cluster_file
     from rlserve.cluster.lifecycle import Cluster, down, up
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
     cluster_file = root / "cluster.yaml"
-    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "cluster.yaml").read_text())
+    data = yaml.safe_load(default_cluster_file().read_text())
     data.update({"ray_port": 6780, "grpc_port": 9300, "http_port": 8300, "runs_dir": str(root / "runs")})
     cluster_file.write_text(yaml.safe_dump(data))
     cluster = Cluster(*load_cluster_file(cluster_file))
