@@ -153,7 +153,7 @@ RunBody = Callable[[Run], Awaitable[None]]
 
 
 class RunManager:
-    def __init__(self, runs_dir: Path, body: RunBody, check: Callable[[RunSpec], Awaitable[None]],
+    def __init__(self, runs_dir: Path, body: RunBody, check: Callable[[RunSpec], Awaitable[RunSpec]],
                  max_concurrent_runs: int = 1, resume_on_restart: bool = True):
         self.runs_dir = runs_dir
         self.body = body
@@ -218,10 +218,11 @@ class RunManager:
                 raise invalid_argument("run_id", "letters, digits, '-', '_' and '.' only")
             run_id = run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
             run_dir = self.runs_dir / run_id
-        await self.check(spec)
+        spec = await self.check(spec)
         # A resumed run keeps its history (events, ledger, step) until its checkpoint is restored.
         run = self.runs.get(run_id) if resume else None
         run = run or Run(run_id, spec, run_dir)
+        run.spec = spec
         if resume:
             run.resume_reason = "resumed by SubmitRun"
         else:
