@@ -136,18 +136,16 @@ def start_node(cluster: Cluster, index: int) -> None:
     pid_file = _pid_file(cluster, node.name)
     if _running_pid(pid_file) is not None:
         return
-    ray_bin = str(Path(sys.executable).with_name("ray"))
     resources = {**node.resources, node_marker(node.name): 1}
-    cmd = [ray_bin, "start", f"--address={cluster.address}", "--block", f"--node-ip-address={cfg.host}",
+    cmd = [sys.executable, "-m", "rlserve.cluster.join", f"--address={cluster.address}", "--block",
+           f"--node-ip-address={cfg.host}",
            f"--num-cpus={node.num_cpus}", f"--resources={json.dumps(resources)}",
            f"--object-store-memory={node.object_store_memory_mb * 2**20}", "--disable-usage-stats",
            # Ray's fixed default would collide with the head's (and other nodes') agent on one machine.
            f"--dashboard-agent-listen-port={cfg.ray_port + 10 + index}"]
     log = open(cluster.state_dir / f"ray-node-{node.name}.log", "ab")
-    # The loopback switch also refuses to join nodes; with the node address given explicitly it is
-    # not needed here (the node's processes get that address from the raylet).
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **cluster.env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
+                            env={**os.environ, **cluster.env()})
     log.close()
     pid_file.write_text(f"{proc.pid}\n")
     connect(cluster)

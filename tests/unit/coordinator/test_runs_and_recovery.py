@@ -146,8 +146,8 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
         run.ledger.generate(16)
         await asyncio.sleep(3600)
 
-    async def check(spec: RunSpec) -> None:
-        del spec
+    async def check(spec: RunSpec) -> RunSpec:
+        return spec
 
     async def scenario() -> None:
         manager = RunManager(tmp_path, body, check)
