@@ -28,11 +28,13 @@ def _key(ev: pb.RunEvent) -> tuple:
 
 
 def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
-    """`down` then `up` at step 3 of 6: the new coordinator reloads the run with its events and resumes
-    it from its checkpoint with no request; GetRun never shows it failed or half restored; each step's
-    prompts are those of an uninterrupted run (data cursor (k - 1) x 8 at step k)."""
+    """`down` then `up` at step 3 of 16 (`down` lets the coordinator drain for a few seconds, during
+    which the run goes on): the new coordinator reloads the run with its events and resumes it from its
+    checkpoint with no request; GetRun never shows it failed or half restored; each step's prompts are
+    those of an uninterrupted run (data cursor (k - 1) x 8 at step k)."""
+    steps = 16
     with CoordinatorClient(fault_cluster.endpoint) as client:
-        run = client.submit(spec(grpo__max_num_steps=6, grpo__val_period=3, checkpointing__save_period=2,
+        run = client.submit(spec(grpo__max_num_steps=steps, grpo__val_period=8, checkpointing__save_period=2,
                                  grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": 1}))
         seen = []
         for ev in client.watch(run.run_id, timeout_s=300):
@@ -42,6 +44,7 @@ def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
         before = client.get(run.run_id)
     t_down = time.time()
     down(fault_cluster.cluster)
+    t_up = time.time()
     up(fault_cluster.cluster)
     snapshots = []
     with CoordinatorClient(fault_cluster.endpoint) as client:
@@ -53,7 +56,7 @@ def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
         events = events_until_end(client, run.run_id, timeout_s=30)
         tail = list(client.watch(run.run_id, from_sequence=len(seen), timeout_s=30))
     final = snapshots[-1]
-    assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == 6, final.error
+    assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == steps, final.error
     # Never FAILED, never back at step 0 or with a smaller ledger while it restored.
     assert all(s.state in (pb.RUN_STATE_RUNNING, pb.RUN_STATE_SUCCEEDED) for s in snapshots)
     assert all(s.step >= 2 and s.ledger.generated >= before.ledger.generated for s in snapshots)
@@ -63,13 +66,13 @@ def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
     assert any(ev.kind == pb.EVENT_KIND_INFO and "the coordinator restarted while the run was running" in ev.message
                for ev in tail)
     recovered = [ev for ev in tail if ev.kind == pb.EVENT_KIND_RECOVERED]
-    assert len(recovered) == 1 and re.search(r"continued from step_00000[24]", recovered[0].message)
+    assert len(recovered) == 1 and re.search(r"continued from step_0000\d\d", recovered[0].message)
     cursors = [r["data/cursor"] for r in metric_rows(final) if r["step"] >= 1]
-    assert cursors == [8.0 * k for k in range(6)]
+    assert cursors == [8.0 * k for k in range(steps)]
     assert_records_agree(final, events)
-    first_step = next(ev for ev in tail if ev.kind == pb.EVENT_KIND_STEP)
-    print(f"\ncluster restart: down at step 3, RECOVERED {recovered[0].time_unix - t_down:.1f}s later "
-          f"(down + up included), next step after {first_step.time_unix - t_down:.1f}s; steps redone "
+    first_step = next(ev for ev in tail if ev.kind == pb.EVENT_KIND_STEP and ev.sequence > recovered[0].sequence)
+    print(f"\ncluster restart: down at step 3 took {t_up - t_down:.1f}s; RECOVERED {recovered[0].time_unix - t_up:.1f}s "
+          f"after up began, next step after {first_step.time_unix - t_up:.1f}s; steps redone "
           f"{recovered[0].metrics['recovery/steps_redone']:.0f}; dropped as recovered "
           f"{final.ledger.dropped['recovered']}")
 
@@ -87,7 +90,7 @@ def test_losing_the_rollout_node_mid_run_loses_nothing(fault_cluster):
         start_node(fault_cluster.cluster, 0)
         events = events_until_end(client, run.run_id)
         final = client.get(run.run_id)
-    assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == 6, final.error
+    assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == steps, final.error
     assert not any(ev.kind == pb.EVENT_KIND_RECOVERED for ev in events), "no run state lived on that node"
     assert set(final.ledger.dropped) <= {"zero_advantage"}, final.ledger.dropped
     assert_records_agree(final, events)

@@ -11,7 +11,9 @@ import psutil
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
-from tests.integration.runs_support import events_until_end, spec, wait_for
+from rlserve.v1 import reward_pb2, reward_pb2_grpc
+from tests.integration.conftest import metadata
+from tests.integration.runs_support import assert_records_agree, events_until_end, spec, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,9 +23,15 @@ def swap(test_cluster, target: str) -> subprocess.CompletedProcess:
                            str(test_cluster.cluster_file)], capture_output=True, text=True, timeout=600)
 
 
-def test_swap_reward_mid_run(test_cluster, tmp_path):
+def reward_version(channel) -> str:
+    stub = reward_pb2_grpc.RewardStub(channel)
+    return stub.Score(reward_pb2.ScoreRequest(), metadata=metadata("reward"), timeout=30).reward_version
+
+
+def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
     plugin = tmp_path / "shorter_is_better.py"
     plugin.write_text("def reward(item):\n    return 1.0 / (1 + len(item.completion))\n")
+    deployed = reward_version(channel)
     with CoordinatorClient(test_cluster.endpoint) as client:
         # No reward.functions: the run scores with whatever the reward service runs (partial-credit
         # exact match in the test cluster, so that steps really train and take time).
@@ -36,14 +44,16 @@ def test_swap_reward_mid_run(test_cluster, tmp_path):
             assert "reward now runs" in out.stdout
             events = events_until_end(client, run.run_id)
         finally:
-            assert swap(test_cluster, "rlserve.rewards.builtins:ExactMatch").returncode == 0
+            assert swap(test_cluster, "default").returncode == 0
         run = client.get(run.run_id)
+    # Restored exactly as the cluster file deploys it (partial credit included), not a look-alike.
+    assert reward_version(channel) == deployed
     assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
     swaps = [ev for ev in events if ev.kind == pb.EVENT_KIND_REWARD_SWAP]
     assert swaps and swaps[0].step < 40, "the swap should land while the run goes on"
     assert not [ev for ev in events if ev.kind == pb.EVENT_KIND_RETRY], "a reward call failed during the swap"
     assert "reward_error" not in run.ledger.dropped
-    assert run.ledger.in_flight == 0
+    assert_records_agree(run, events)
 
 
 def test_nothing_listens_beyond_loopback(test_cluster):

@@ -60,7 +60,8 @@ def cmd_swap(args: argparse.Namespace) -> int:
         print(f"serve: only the reward service can be swapped, not {args.service!r}", file=sys.stderr)
         return 2
     app = swap_reward(_cluster(args.cluster), args.target)
-    print(f"serve: reward now runs {app['args']['functions'][0]['import_path']}")
+    functions = app["args"].get("functions") or [{"name": "the reward service's default function"}]
+    print("serve: reward now runs " + ", ".join(f.get("import_path") or f["name"] for f in functions))
     return 0
 
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=fn)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
     p.add_argument("service")
-    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`)")
+    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`), or "
+                                  "`default`: the functions the cluster file deploys, exactly")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_swap)
     args = parser.parse_args(argv)

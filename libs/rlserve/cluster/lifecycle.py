@@ -24,7 +24,7 @@ import yaml
 
 from rlserve.cluster.config import ClusterFile
 from rlserve.cluster.loopback import BIND_HOST_ENV
-from rlserve.cluster.serve_config import APPS, args_version, serve_config
+from rlserve.cluster.serve_config import APPS, app_args, args_version, serve_config
 
 SETUP_HOOK = "rlserve.cluster.loopback.bind_loopback"
 
@@ -295,9 +295,17 @@ def status(cluster: Cluster) -> list[dict[str, Any]]:
 
 
 def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
-    """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`)."""
+    """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`), or with the
+    functions of the cluster file, arguments and weights included (`default`)."""
     from rlserve.rewards.loader import FunctionSpec, load_function
 
+    if target == "default":
+        connect(cluster)
+        config = current_config(cluster)
+        app = next(a for a in config["applications"] if a["name"] == "reward")
+        app["args"] = app_args(cluster.cfg, "reward", cluster.runs_dir)
+        deploy(cluster, config, only=["reward"])
+        return app
     path_part, _, attr = target.partition(":")
     if path_part.endswith(".py"):
         source = Path(path_part).expanduser().resolve()
