@@ -9,12 +9,14 @@ five applications) and torn down at the end.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import yaml
 
@@ -34,6 +36,26 @@ class TestCluster:
 
 def metadata(app: str) -> tuple[tuple[str, str], ...]:
     return (("application", app),)
+
+
+def listeners_of(pid_file: Path, include_this_process: bool = False) -> list:
+    """Listening sockets of the process group a node's pid file names (ray start and all it spawned)."""
+    pgid = os.getpgid(int(pid_file.read_text()))
+    ours = {p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid}
+    if include_this_process:
+        ours.add(os.getpid())
+    return [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
+
+
+def is_loopback(ip: str) -> bool:
+    return ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 @contextmanager

@@ -5,16 +5,20 @@ a running run, and the rollout node lost mid-run."""
 from __future__ import annotations
 
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.cluster.lifecycle import down, kill_node, start_node, up
 from rlserve.v1 import coordinator_pb2 as pb
-from tests.integration.conftest import HERE, running_cluster
+from tests.integration.conftest import HERE, is_loopback, listeners_of, running_cluster
 from tests.integration.runs_support import (TERMINAL, assert_records_agree, events_until_end, metric_rows, spec,
                                             wait_for)
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +32,18 @@ def _key(ev: pb.RunEvent) -> tuple:
 
 
 def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
-    """`down` then `up` at step 3 of 16 (`down` lets the coordinator drain for a few seconds, during
-    which the run goes on): the new coordinator reloads the run with its events and resumes it from its
-    checkpoint with no request; GetRun never shows it failed or half restored; each step's prompts are
-    those of an uninterrupted run (data cursor (k - 1) x 8 at step k)."""
-    steps = 16
+    """`down` then `up` at step 2 of 30 (`down` lets the coordinator drain for a few seconds, during
+    which the run goes on at a fraction of a second per step): the new coordinator reloads the run with
+    its events and resumes it from its checkpoint with no request; GetRun never shows it failed or half
+    restored; each step's prompts are those of an uninterrupted run (data cursor (k - 1) x 8 at step k)."""
+    steps = 30
     with CoordinatorClient(fault_cluster.endpoint) as client:
-        run = client.submit(spec(grpo__max_num_steps=steps, grpo__val_period=8, checkpointing__save_period=2,
+        run = client.submit(spec(grpo__max_num_steps=steps, grpo__val_period=10, checkpointing__save_period=2,
                                  grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": 1}))
         seen = []
         for ev in client.watch(run.run_id, timeout_s=300):
             seen.append(ev)
-            if ev.kind == pb.EVENT_KIND_STEP and ev.step == 3:
+            if ev.kind == pb.EVENT_KIND_STEP and ev.step == 2:
                 break
         before = client.get(run.run_id)
     t_down = time.time()
@@ -71,7 +75,7 @@ def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
     assert cursors == [8.0 * k for k in range(steps)]
     assert_records_agree(final, events)
     first_step = next(ev for ev in tail if ev.kind == pb.EVENT_KIND_STEP and ev.sequence > recovered[0].sequence)
-    print(f"\ncluster restart: down at step 3 took {t_up - t_down:.1f}s; RECOVERED {recovered[0].time_unix - t_up:.1f}s "
+    print(f"\ncluster restart: down at step 2 took {t_up - t_down:.1f}s; RECOVERED {recovered[0].time_unix - t_up:.1f}s "
           f"after up began, next step after {first_step.time_unix - t_up:.1f}s; steps redone "
           f"{recovered[0].metrics['recovery/steps_redone']:.0f}; dropped as recovered "
           f"{final.ledger.dropped['recovered']}")
@@ -90,10 +94,15 @@ def test_losing_the_rollout_node_mid_run_loses_nothing(fault_cluster):
         start_node(fault_cluster.cluster, 0)
         events = events_until_end(client, run.run_id)
         final = client.get(run.run_id)
-    assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == steps, final.error
+    assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == 6, final.error
     assert not any(ev.kind == pb.EVENT_KIND_RECOVERED for ev in events), "no run state lived on that node"
     assert set(final.ledger.dropped) <= {"zero_advantage"}, final.ledger.dropped
     assert_records_agree(final, events)
+    node_listeners = listeners_of(fault_cluster.cluster.state_dir / "node-rollout-node.pid")
+    assert node_listeners and all(is_loopback(c.laddr.ip) for c in node_listeners), node_listeners
+    status = subprocess.run([str(REPO / "deploy" / "serve"), "status", str(fault_cluster.cluster_file)],
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "node rollout-node: alive" in status.stdout, status.stdout + status.stderr
     after = [ev for ev in events if ev.kind == pb.EVENT_KIND_STEP and ev.time_unix > t_kill]
     retries = [ev for ev in events if ev.kind == pb.EVENT_KIND_RETRY]
     print(f"\nrollout node lost at step 2: {len(retries)} retries, next step {after[0].time_unix - t_kill:.1f}s "

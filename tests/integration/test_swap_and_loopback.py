@@ -3,7 +3,6 @@ nothing the cluster runs listens beyond loopback."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import psutil
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import reward_pb2, reward_pb2_grpc
-from tests.integration.conftest import metadata
+from tests.integration.conftest import is_loopback, listeners_of, metadata
 from tests.integration.runs_support import assert_records_agree, events_until_end, spec, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,18 +56,7 @@ def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
 
 
 def test_nothing_listens_beyond_loopback(test_cluster):
-    head = int((test_cluster.cluster.state_dir / "head.pid").read_text())
-    pgid = os.getpgid(head)
-    ours = {p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid} | {os.getpid()}
-    listeners = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    listeners = listeners_of(test_cluster.cluster.state_dir / "head.pid", include_this_process=True)
     assert len(listeners) > 5, "expected Ray, Serve and replica listeners"
-    wide = [(c.laddr, psutil.Process(c.pid).name()) for c in listeners
-            if c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    wide = [(c.laddr, psutil.Process(c.pid).name()) for c in listeners if not is_loopback(c.laddr.ip)]
     assert not wide, f"listening beyond loopback: {wide}"
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None

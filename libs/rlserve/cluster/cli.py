@@ -42,15 +42,19 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rlserve.cluster.lifecycle import status
+    from rlserve.cluster.lifecycle import node_status, status
 
-    rows = status(_cluster(args.cluster))
+    cluster = _cluster(args.cluster)
+    rows = status(cluster)
     print(f"{'app':<12} {'state':<14} {'version':<11} replicas")
     for r in rows:
         replicas = ", ".join(f"{d}={n}" for d, n in r["replicas"].items())
         print(f"{r['app']:<12} {r['state']:<14} {r['version']:<11} {replicas}"
               + (f"  ({r['message']})" if r["message"] else ""))
-    return 0 if all(r["state"] == "RUNNING" for r in rows) else 1
+    nodes = node_status(cluster)
+    for name, alive in nodes.items():
+        print(f"node {name}: {'alive' if alive else 'down (deploy/serve up starts it again)'}")
+    return 0 if all(r["state"] == "RUNNING" for r in rows) and all(nodes.values()) else 1
 
 
 def cmd_swap(args: argparse.Namespace) -> int:

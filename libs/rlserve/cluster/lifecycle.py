@@ -294,6 +294,15 @@ def status(cluster: Cluster) -> list[dict[str, Any]]:
     return rows
 
 
+def node_status(cluster: Cluster) -> dict[str, bool]:
+    """Whether each extra node of the cluster file is part of the cluster now."""
+    connect(cluster)
+    import ray
+
+    alive = {r for n in ray.nodes() if n["Alive"] for r in n["Resources"]}
+    return {node.name: node_marker(node.name) in alive for node in cluster.cfg.nodes}
+
+
 def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
     """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`), or with the
     functions of the cluster file, arguments and weights included (`default`)."""
@@ -329,5 +338,5 @@ def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
     return app
 
 
-__all__ = ["APPS", "Cluster", "connect", "current_config", "deploy", "down", "kill_node", "start_node", "status",
-           "swap_reward", "up"]
+__all__ = ["APPS", "Cluster", "connect", "current_config", "deploy", "down", "kill_node", "node_status",
+           "start_node", "status", "swap_reward", "up"]
