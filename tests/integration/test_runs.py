@@ -137,10 +137,12 @@ def start_reward_server(**popen_kwargs) -> tuple[subprocess.Popen, int]:
 def test_an_external_reward_server_replaces_the_reward_service(client):
     server, port = start_reward_server(stderr=subprocess.PIPE, text=True)
     try:
-        run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", reward__functions=None,
-                                 grpo__max_num_steps=2))
+        # The spec's functions (partial-credit exact match) travel with each request, so the steps have a
+        # reward signal to train on (a run that trains nothing fails).
+        run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", grpo__max_num_steps=2))
         events_until_end(client, run.run_id)
-        assert client.get(run.run_id).state == pb.RUN_STATE_SUCCEEDED
+        final = client.get(run.run_id)
+        assert final.state == pb.RUN_STATE_SUCCEEDED, final.error
     finally:
         server.terminate()
         log = server.communicate(timeout=30)[1]
