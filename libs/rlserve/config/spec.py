@@ -290,7 +290,7 @@ class DataCfg(Section):
     def _paths(self) -> DataCfg:
         if self.task in FILE_TASKS and not self.train_path:
             raise ValueError(f"data.train_path: required when data.task is {self.task!r}")
-        if self.task not in FILE_TASKS and "columns" in self.model_fields_set:
+        if self.task not in FILE_TASKS and self.columns != DataColumnsCfg():
             raise ValueError(f"data.columns: only for data files (data.task: {' or '.join(FILE_TASKS)})")
         if self.system_prompt is not None and self.prompt_format != "chat":
             raise ValueError("data.system_prompt: needs data.prompt_format: chat")
