@@ -65,3 +65,20 @@ def test_tied_embeddings_are_refused_on_cpu(tmp_path):
     engine = make_engine("vllm", EngineConfig(model_path=tied))
     with pytest.raises(ValueError, match="tied embeddings"):
         engine.load_weights(load_file(tied / "model.safetensors").items())
+
+
+def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():
+    from vllm.tokenizers import get_tokenizer
+
+    from rlserve.data.prompts import PromptTokenizer
+    from rlserve.data.tasks import Example
+
+    path = resolve_model("preset:tiny-chat")
+    ours = PromptTokenizer(path, "chat", "Be brief.")
+    tok = get_tokenizer(path)
+    ex = Example("What is 47+85?", "132")
+    messages = ours.messages(ex)
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False) \
+        == ours.prompt_ids(ex)
+    assert tok.encode("What is 47+85?", add_special_tokens=False) == ours.encode("What is 47+85?")
+    assert tok.eos_token_id == ours.eos_ids[0]
