@@ -18,6 +18,7 @@ from typing import Any
 from rlserve.config.spec import DataCfg, DataColumnsCfg
 from rlserve.data.tasks import Example
 
+
 def _text(value: Any, where: str, column: str) -> str:
     """Answers may be numbers in `datasets` files (an int64 column); prompts and contents are text."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
