@@ -82,3 +82,11 @@ def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():
         == ours.prompt_ids(ex)
     assert tok.encode("What is 47+85?", add_special_tokens=False) == ours.encode("What is 47+85?")
     assert tok.eos_token_id == ours.eos_ids[0]
+
+
+def test_seeded_sampling_of_a_batch_beyond_one_scheduler_step(vllm_engine):
+    """64 prompts x 8 samples x 40 tokens (20k prompt tokens, several scheduler steps) with seeds,
+    as a GRPO step with chat-template prompts sends them; vLLM's CPU backend used to fail here."""
+    prompts = [[5 + (i + j) % 40 for j in range(40)] for i in range(64)]
+    out = vllm_engine.generate(prompts, 8, SamplingSpec(temperature=1.0, max_new_tokens=4, seed=7))
+    assert [len(ss) for ss in out] == [8] * 64 and all(len(s.token_ids) > 0 for ss in out for s in ss)
