@@ -4,9 +4,9 @@
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
 reload leaves a tied output layer stale), `small` is for CPU benchmarks, `1b`
-for GPU benchmarks, `tiny-chat` is `tiny` with a byte-level BPE tokenizer and a chat
-template (the tokenizer a real chat model brings), and `moe-tiny` exercises the Mixtral-shaped MoE path of
-the Megatron backend.
+for GPU benchmarks, `tiny-chat` is `tiny` with a byte-level BPE tokenizer, a
+chat template and two EOS ids (what a real chat model brings), and `moe-tiny`
+exercises the Mixtral-shaped MoE path of the Megatron backend.
 """
 
 from __future__ import annotations
