@@ -15,8 +15,7 @@ from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.cluster.lifecycle import down, kill_node, start_node, up
 from rlserve.v1 import coordinator_pb2 as pb
 from tests.integration.conftest import HERE, is_loopback, listeners_of, running_cluster
-from tests.integration.runs_support import (TERMINAL, assert_records_agree, events_until_end, metric_rows, spec,
-                                            wait_for)
+from tests.integration.runs_support import TERMINAL, assert_records_agree, events_until_end, metric_rows, spec, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 

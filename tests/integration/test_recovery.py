@@ -16,8 +16,14 @@ from safetensors.torch import load_file
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
-from tests.integration.runs_support import (assert_records_agree, events_until_end, metric_events, metric_rows,
-                                            spec, wait_for)
+from tests.integration.runs_support import (
+    assert_records_agree,
+    events_until_end,
+    metric_events,
+    metric_rows,
+    spec,
+    wait_for,
+)
 
 # Sync (on-policy) GRPO with a deterministic backend: a recovered run must end bit-identical to one
 # that never failed. 6 steps, checkpoints every 2.
