@@ -52,6 +52,12 @@ def unavailable(problem: str) -> RpcError:
     return RpcError(grpc.StatusCode.UNAVAILABLE, problem)
 
 
+def aborted(problem: str) -> RpcError:
+    """State the caller relies on is gone (a session lost, a sequence broken): retrying the same call
+    cannot help; the caller must redo a larger sequence (reconfigure, restore a checkpoint)."""
+    return RpcError(grpc.StatusCode.ABORTED, problem)
+
+
 def _status(err: BaseException) -> RpcError:
     """The RpcError inside `err` (also when Ray wrapped it), or INTERNAL."""
     if isinstance(err, RpcError):

@@ -27,7 +27,7 @@ from rlserve.v1 import reward_pb2
 from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.calls import RetryPolicy, ServiceCalls, ServiceFailure
-from services.coordinator.loop import LoopSettings, run_grpo
+from services.coordinator.recovery import LoopSettings, run_grpo
 from services.coordinator.rollouts import reward_functions
 from services.coordinator.runs import RunManager
 
@@ -46,6 +46,9 @@ class CoordinatorArgs(BaseModel):
     max_concurrent_runs: int = 1
     watchdog_timeout_s: float = Field(1200.0, gt=0)
     retry: RetryPolicy = RetryPolicy()
+    # Runs an earlier coordinator left running continue from their last checkpoint when this one
+    # starts (and their spec's checkpointing.auto_resume is on); false: they are marked FAILED.
+    resume_on_restart: bool = True
 
     @field_validator("max_concurrent_runs")
     @classmethod
@@ -65,7 +68,12 @@ class Coordinator:
                                      retry=self.args.retry,
                                      watchdog_timeout_s=self.args.watchdog_timeout_s)
         self.manager = RunManager(Path(self.args.runs_dir), lambda run: run_grpo(run, self.settings),
-                                  self._check, self.args.max_concurrent_runs)
+                                  self._check, self.args.max_concurrent_runs, self.args.resume_on_restart)
+
+    async def __del__(self) -> None:
+        """Serve's shutdown of this replica: stop the runs without changing their state (they stay RUNNING
+        on disk, and the next coordinator resumes them)."""
+        await self.manager.shutdown()
 
     async def _check(self, spec: RunSpec) -> RunSpec:
         """Refuse, at submission, a run that cannot work on this cluster; returns the spec with the
@@ -139,6 +147,11 @@ class Coordinator:
 
 
 def build(args: dict) -> serve.Application:
-    """Serve application builder (`import_path: services.coordinator.app:build`)."""
-    return build_app(Coordinator, CoordinatorArgs, args)
+    """Serve application builder (`import_path: services.coordinator.app:build`).
+
+    A new coordinator replica resumes the runs it finds running on disk, so a redeploy must stop the
+    old replica before the new one starts (no surge), or two coordinators would drive one run.
+    """
+    return build_app(Coordinator, CoordinatorArgs, {**args, "deployment": {**args.get("deployment", {}),
+                                                                          "max_surge_percent": 0}})
 

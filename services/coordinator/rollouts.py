@@ -110,7 +110,8 @@ async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: P
             completions=[list(s.token_ids) for s in completion.samples],
             gen_logprobs=[list(s.logprobs) for s in completion.samples],
             rewards=[r.score for r in results], weight_version=gen.weight_version, step=step,
-            reward_errors=sum(r.status == reward_pb2.SCORE_STATUS_ERROR for r in results), ids=ids[i]))
+            reward_errors=[r.error or "the reward service gave no message" for r in results
+                           if r.status == reward_pb2.SCORE_STATUS_ERROR], ids=ids[i]))
     if spec.loss_fn.reference_policy_kl_penalty > 0:
         t0 = time.perf_counter()
         ref = await calls.logprobs(reference_pb2.LogProbsRequest(model_path=reference_model, sequences=[

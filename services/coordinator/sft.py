@@ -39,7 +39,7 @@ async def sft_warm_start(ctx: Context) -> Path:
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:
             continue
         await sync_weights(ctx)
-        val = await evaluate(ctx.calls, ctx.spec, run.run_id, ctx.tok, ctx.val_examples, run.version)
+        val, _ = await evaluate(ctx.calls, ctx.spec, run.run_id, ctx.tok, ctx.val_examples, run.version)
         reward = val["val/reward"]
         ctx.emit(pb.EVENT_KIND_VALIDATION, f"SFT step {i + 1}: loss {result.metrics.get('loss/total', 0):.3f}, "
                  f"held-out reward {reward:.3f}", {"sft/loss": result.metrics.get("loss/total", 0.0),

@@ -25,7 +25,7 @@ from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec, SpecError, load_spec
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
-from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, not_found, unavailable
+from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument, not_found
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2
 from rlserve.weights.store import DEFAULT_STORE_NAME
@@ -88,7 +88,8 @@ class Learner:
 
     def _require(self, run_id: str) -> Session:
         if self.session is None:
-            raise failed_precondition("the learner is not configured; call Configure first")
+            raise aborted(f"the learner holds no training session for run {run_id!r} (never configured, a "
+                          f"worker died or the replica restarted); call Configure and restore a checkpoint")
         if run_id != self.session.run_id:
             raise not_found(f"run {run_id!r} is not configured on this learner (it serves {self.session.run_id!r})")
         return self.session
@@ -98,7 +99,8 @@ class Learner:
             return await asyncio.gather(*refs)
         except ray.exceptions.RayActorError as err:
             self._teardown()
-            raise unavailable(f"a learner worker died ({err.__class__.__name__}); call Configure again") from None
+            raise aborted(f"a learner worker died ({err.__class__.__name__}); its training session is gone: "
+                          f"call Configure and restore a checkpoint") from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
             if isinstance(cause, (ValueError, SpecError)):
@@ -163,8 +165,8 @@ class Learner:
                 last = session.last_step
                 if last is not None and last[0] == request.expected_weight_version:
                     return last[1]
-                raise failed_precondition(f"step expects weight version {request.expected_weight_version}, "
-                                          f"the learner is at {session.version}")
+                raise aborted(f"step expects weight version {request.expected_weight_version}, "
+                              f"the learner is at {session.version}")
             ref = batch_refs[0] if batch_refs else ray.put(batch_from_proto(request))
             results = await self._all([w.train_step.remote(ref, loss, lr) for w in session.workers])
             response = learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
@@ -194,7 +196,7 @@ class Learner:
             await self._all([w.save_checkpoint.remote(request.path) for w in session.workers])
             if request.hf_path:
                 await self._all([w.save_hf.remote(request.hf_path) for w in session.workers])
-            version = await session.workers[0].version.remote()
+            version = (await self._all([session.workers[0].version.remote()]))[0]
             return learner_pb2.SaveCheckpointResponse(path=request.path, weight_version=version)
 
     @grpc_method

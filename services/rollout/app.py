@@ -20,7 +20,8 @@ from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
 from rlserve.rollout.interfaces import EngineConfig, EngineSettings, SamplingSpec
-from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
+from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
+from rlserve.threads import in_thread_to_the_end
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.follower import WeightFollower
 from rlserve.weights.specs import checkpoint_specs, fingerprint
@@ -113,10 +114,12 @@ class Rollout:
                                           f"not {request.run_id!r}")
             version = self.weights.version
             if version < request.min_weight_version:
-                raise failed_precondition(f"weight version {request.min_weight_version} is not published "
-                                          f"(newest: {version})")
+                # The run's weights are gone from here (the weight store was lost): the caller must
+                # publish them again, which retrying this call cannot do.
+                raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
+                              f"serves {version})")
             t0 = time.perf_counter()
-            outputs = await asyncio.to_thread(self.engine.generate, prompts, n, sampling)
+            outputs = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling)
             engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[

@@ -86,7 +86,7 @@ def test_bad_updates_are_rejected_and_old_weights_keep_serving(channel, tmp_path
     assert after.weight_version == before.weight_version
 
 
-def test_a_restarted_replica_loads_the_newest_publication(channel, second_model, test_cluster):
+def test_a_restarted_replica_loads_the_newest_publication(channel, second_model, ray_driver):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     version = load(stub, second_model).weight_version
     victim = next(iter(replicas_versions(stub)))

@@ -47,8 +47,10 @@ class CoordinatorClient:
     def cancel(self, run_id: str) -> pb.Run:
         return self.stub.CancelRun(pb.CancelRunRequest(run_id=run_id), metadata=self.metadata, timeout=60).run
 
-    def watch(self, run_id: str, from_sequence: int = 0) -> Iterator[pb.RunEvent]:
+    def watch(self, run_id: str, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.RunEvent]:
+        """The run's events until it ends; with `timeout_s`, the stream fails with DEADLINE_EXCEEDED after that
+        long, however the run is doing (a client that must not hang sets it)."""
         stream = self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=from_sequence),
-                                    metadata=self.metadata)
+                                    metadata=self.metadata, timeout=timeout_s)
         for resp in stream:
             yield resp.event

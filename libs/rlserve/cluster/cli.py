@@ -42,15 +42,19 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rlserve.cluster.lifecycle import status
+    from rlserve.cluster.lifecycle import node_status, status
 
-    rows = status(_cluster(args.cluster))
+    cluster = _cluster(args.cluster)
+    rows = status(cluster)
     print(f"{'app':<12} {'state':<14} {'version':<11} replicas")
     for r in rows:
         replicas = ", ".join(f"{d}={n}" for d, n in r["replicas"].items())
         print(f"{r['app']:<12} {r['state']:<14} {r['version']:<11} {replicas}"
               + (f"  ({r['message']})" if r["message"] else ""))
-    return 0 if all(r["state"] == "RUNNING" for r in rows) else 1
+    nodes = node_status(cluster)
+    for name, alive in nodes.items():
+        print(f"node {name}: {'alive' if alive else 'down (deploy/serve up starts it again)'}")
+    return 0 if all(r["state"] == "RUNNING" for r in rows) and all(nodes.values()) else 1
 
 
 def cmd_swap(args: argparse.Namespace) -> int:
@@ -60,7 +64,8 @@ def cmd_swap(args: argparse.Namespace) -> int:
         print(f"serve: only the reward service can be swapped, not {args.service!r}", file=sys.stderr)
         return 2
     app = swap_reward(_cluster(args.cluster), args.target)
-    print(f"serve: reward now runs {app['args']['functions'][0]['import_path']}")
+    functions = app["args"].get("functions") or [{"name": "the reward service's default function"}]
+    print("serve: reward now runs " + ", ".join(f.get("import_path") or f["name"] for f in functions))
     return 0
 
 
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=fn)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
     p.add_argument("service")
-    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`)")
+    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`), or "
+                                  "`default`: the functions the cluster file deploys, exactly")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_swap)
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
 
@@ -24,6 +24,9 @@ class ServiceCfg(BaseModel):
     num_cpus: float | None = Field(None, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     env_vars: dict[str, str] = {}
+    # Custom Ray resources each replica needs, e.g. {rollout_slot: 1}: it then runs only on
+    # nodes that offer them (see `nodes`).
+    resources: dict[str, float] = {}
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 
@@ -50,6 +53,19 @@ class ServicesCfg(BaseModel):
         return self
 
 
+class NodeCfg(BaseModel):
+    """An extra Ray node on this machine, joined to the head (`ray start --address`), on `host`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    # Logical CPUs it offers; 0 keeps everything that asks for CPUs off it (only replicas that ask
+    # for its custom resources go there).
+    num_cpus: int = Field(0, ge=0)
+    resources: dict[str, float] = {}
+    object_store_memory_mb: int = Field(256, ge=78)
+
+
 class ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -70,7 +86,17 @@ class ClusterFile(BaseModel):
     # Where runs, cluster state and logs go. None: ./runs in the working directory;
     # relative paths: to the cluster file.
     runs_dir: str | None = None
+    # Extra local nodes started by `up` after the head (none: one node).
+    nodes: list[NodeCfg] = []
     services: ServicesCfg = ServicesCfg()
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_names(cls, v: list[NodeCfg]) -> list[NodeCfg]:
+        names = [n.name for n in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node names must be unique, got {names}")
+        return v
 
     @property
     def loopback(self) -> bool:

@@ -26,7 +26,7 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
     svc = getattr(cfg.services, name)
     args = dict(svc.args)
     args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
-                          "env_vars": svc.env_vars}
+                          "env_vars": svc.env_vars, "resources": svc.resources}
     if name == "coordinator":
         args.setdefault("runs_dir", str(runs_dir))
     return args

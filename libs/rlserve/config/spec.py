@@ -336,6 +336,12 @@ class CheckpointingCfg(Section):
     enabled: bool = True
     save_period: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
+    # When a service loses the run's state (a learner worker dies, a replica restarts) or the
+    # coordinator restarts under a running run, continue from the last checkpoint (or from the
+    # start without one) instead of failing; a RECOVERED event says what was redone.
+    auto_resume: bool = True
+    # Recoveries allowed in a row without a new checkpoint in between (then the run fails).
+    max_recovery_attempts: int = Field(3, ge=1)
 
     @model_validator(mode="before")
     @classmethod

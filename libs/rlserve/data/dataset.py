@@ -73,9 +73,14 @@ class PromptSampler:
             self.index += 1
         return out
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+    @property
+    def position(self) -> int:
+        """Examples taken so far over all passes: the data cursor."""
+        return self.epoch * len(self.examples) + self.index
 
-    def restore(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
+    def seek(self, position: int) -> None:
+        """Continue as if `position` examples had been taken (the order of every pass is fixed by the seed)."""
+        if position < 0:
+            raise ValueError(f"data cursor must be >= 0, got {position}")
+        self.epoch, self.index = divmod(position, len(self.examples))
         self._order = self._shuffle(self.epoch)

@@ -50,15 +50,19 @@ def test_splits_do_not_leak_and_are_deterministic():
     assert not {e.prompt for e in s1.val} & {e.prompt for e in s1.train}
 
 
-def test_sampler_resumes_where_it_stopped():
+def test_sampler_resumes_at_its_cursor():
     examples = build_splits(DataCfg(num_train=50, num_val=5)).train
     a = PromptSampler(examples, seed=1)
     a.take(37)
-    state = a.state()
+    cursor = a.position
     expected = a.take(40)  # crosses an epoch boundary
+    assert cursor == 37 and a.position == 77
     b = PromptSampler(examples, seed=1)
-    b.restore(state)
+    b.seek(cursor)
     assert b.take(40) == expected
+    c = PromptSampler(examples, seed=1)
+    c.seek(77)
+    assert c.take(5) == a.take(5)
 
 
 def test_jsonl_loader(tmp_path):
