@@ -110,6 +110,7 @@ def world2(tmp_path_factory) -> list[dict]:
         ("tp2", "megatron", spec_dict(2, tensor_model_parallel_size=2), STEPS, {}),
         ("pp2", "megatron", spec_dict(2, pipeline_model_parallel_size=2), STEPS, {}),
         ("pp2_packed", "megatron", spec_dict(2, packed=True, pipeline_model_parallel_size=2), STEPS, {}),
+        ("tp2_packed", "megatron", spec_dict(2, packed=True, tensor_model_parallel_size=2), STEPS, {}),
         ("moe_ep2", "megatron", spec_dict(2, model="preset:moe-tiny", expert_model_parallel_size=2), 2, {}),
         ("full", "megatron", spec_dict(2), 4, {}),
         ("first_half", "megatron", spec_dict(2), 2, {"save_to": ckpt}),
@@ -154,7 +155,7 @@ def test_export_names_and_shapes_are_the_checkpoints(world1):
 def test_packed_matches_padded(world1, world2):
     # Packed rows: block-diagonal causal mask (local spec); with PP=2 every micro-batch of a
     # minibatch is padded to one shape.
-    for packed in (world1["packed"], world2[0]["pp2_packed"]):
+    for packed in (world1["packed"], world2[0]["pp2_packed"], world2[0]["tp2_packed"]):
         assert packed["losses"] == pytest.approx(world1["megatron"]["losses"], abs=LOSS_ATOL)
         assert_close_weights(world1["megatron"]["weights"], packed["weights"])
 
