@@ -68,3 +68,25 @@ def test_bad_sequences_are_rejected():
         TrainBatch.from_sequences([[1, 2]], [2])
     with pytest.raises(ValueError, match="generator_logprobs"):
         TrainBatch.from_sequences([[1, 2, 3]], [1], [0.0], [[-1.0]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=LENGTHS, dp=st.integers(1, 3))
+def test_packed_micro_batches_carry_their_sequence_bounds(lengths, dp):
+    batch = make_batch(lengths)
+    for rank in range(dp):
+        for mb in rank_micro_batches(batch, list(range(batch.num_seqs)), rank, dp, packed=True,
+                                     micro_batch_size=8, mb_tokens=16):
+            starts = (mb.position_ids[0] == 0).nonzero().flatten().tolist()
+            assert mb.cu_seqlens.tolist() == starts + [mb.input_ids.shape[1]]
+            assert mb.max_seqlen == int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+            assert mb.attention_kwargs()["cu_seq_lens_q"] is mb.cu_seqlens
+
+
+def test_packed_ranks_are_balanced_by_tokens():
+    # Strided dealing would give rank 0 the three long sequences (36 tokens) and rank 1 six.
+    batch = make_batch([(6, 6), (1, 1), (6, 6), (1, 1), (6, 6), (1, 1)])
+    loads = [sum(mb.num_tokens for mb in rank_micro_batches(batch, list(range(6)), r, 2, packed=True,
+                                                             micro_batch_size=8, mb_tokens=24))
+             for r in range(2)]
+    assert loads == [24, 18]  # the best split of three 12s and three 2s
