@@ -19,7 +19,8 @@ Runs (`--runs`, each `learner:layout`):
 Reported per run: real (non-pad) tokens/s, model TFLOP/s and MFU on real tokens (6 x parameters
 without the input embedding per token, plus 12 x layers x hidden x length per token of each
 sequence for attention: the PaLM formula per sequence, no causal discount) against a bf16
-8192^3 matmul measured in the same run, the padding overhead, and peak GPU memory.
+8192^3 matmul measured in the same run, the padding overhead, and peak GPU memory (over the
+whole run, and over the training steps alone). With several runs, each runs in a fresh process.
 `--logprob-memory` also measures the peak memory of forward + backward of the chunked logprobs
 against the plain function, at the preset's vocabulary.
 
@@ -33,6 +34,7 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -196,6 +198,7 @@ def main() -> None:
     torch.cuda.set_device(0)
     init_process_group(0, 1, f"file://{tempfile.mktemp()}", torch.device("cuda", 0))
     peak = matmul_tflops()
+    torch.cuda.empty_cache()
     path = model_folder(args.preset)
     config = AutoConfig.from_pretrained(path)
     lengths = rl_lengths(args.seqs, args.prompt, args.max_len, args.seed)
@@ -203,58 +206,85 @@ def main() -> None:
     real = sum(lengths)
     fixed_rows = -(-real // args.fixed_seq)
     fixed = grpo_batch([args.fixed_seq] * fixed_rows, args.prompt, config.vocab_size, args.seed)
-    rows = []
-    for run in args.runs:
-        name, layout = run.split(":")
-        batch = fixed if layout == "fixed" else rl
-        seq_lens = [int(n) for n in batch.seq_lens]
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        row = {"run": run}
-        try:
-            if name == "plain":
-                step, desc, shape = plain_step(path, batch, args.micro_batch)
-            else:
-                micro = args.pack_tokens // args.fixed_seq if layout == "fixed" else args.micro_batch
-                step, desc, shape = backend_step(name, path, batch, layout == "packed", micro, args.pack_tokens,
-                                                 args.max_len)
-            seconds = sync_time(step, args.steps)
-            del step
-        except Exception as err:  # noqa: BLE001 - report and go on with the other runs
-            row["error"] = f"{type(err).__name__}: {err}"[:600]
-            print(row, flush=True)
-            rows.append(row)
-            continue
-        tokens = sum(seq_lens)
-        flops = model_flops(path, seq_lens)
-        row.update({"layout": desc, "step_s": seconds, "real_tokens": tokens, **shape,
-                    "padding_overhead": shape["computed_tokens"] / tokens - 1,
-                    "real_tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
-                    "mfu_vs_measured_matmul": flops / seconds / 1e12 / peak,
-                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
-        print(row, flush=True)
-        rows.append(row)
-    by_run = {r["run"]: r for r in rows if "real_tokens_per_s" in r}
-    for r in by_run.values():
-        name, layout = r["run"].split(":")
-        for other, key in (("padded", "vs_padded"), ("fixed", "vs_fixed"), ("plain:padded", "vs_plain")):
-            ref = by_run.get(other if ":" in other else f"{name}:{other}")
-            if ref and ref is not r:
-                r[key] = r["real_tokens_per_s"] / ref["real_tokens_per_s"]
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "preset": args.preset,
               "seqs": args.seqs, "prompt": args.prompt, "max_len": args.max_len,
               "length_distribution": f"prompt {args.prompt} + LogNormal(ln {MEDIAN_COMPLETION}, {SIGMA}) "
                                      f"clipped to 16..{args.max_len - args.prompt}",
               "lengths": {"mean": real / len(lengths), "max": max(lengths), "min": min(lengths), "total": real},
               "micro_batch": args.micro_batch, "pack_tokens": args.pack_tokens, "fixed_seq": args.fixed_seq,
-              "steps": args.steps, "matmul_bf16_tflops": peak, "rows": rows}
+              "steps": args.steps, "matmul_bf16_tflops": peak, "rows": []}
+    for run in args.runs:
+        name, layout = run.split(":")
+        batch = fixed if layout == "fixed" else rl
+        row = run_isolated(run, args) if len(args.runs) > 1 else measure(run, name, layout, batch, path, args, peak)
+        result["rows"].append(row)
+        print(result["rows"][-1], flush=True)
+        add_ratios(result["rows"])
+        write(result, args.out)  # after every run: a later one may run out of memory or time
     if args.logprob_memory:
         result["logprob_memory"] = logprob_memory(config.vocab_size, config.hidden_size, args.logprob_memory)
         print(result["logprob_memory"], flush=True)
+        write(result, args.out)
     print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run_isolated(run: str, args) -> dict:
+    """`run` measured in a fresh process, so that no run's memory or state leaks into the next."""
+    out = Path(tempfile.mkdtemp()) / "row.json"
+    cmd = [sys.executable, __file__, "--runs", run, "--out", str(out)]
+    for key in ("preset", "seqs", "prompt", "max_len", "micro_batch", "pack_tokens", "fixed_seq", "steps", "seed"):
+        cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    code = subprocess.run(cmd, check=False).returncode
+    return json.loads(out.read_text())["rows"][0] if out.is_file() else {"run": run, "error": f"exit code {code}"}
+
+
+def measure(run: str, name: str, layout: str, batch: TrainBatch, path: Path, args, peak: float) -> dict:
+    """One run's row: timings, throughput on real tokens, MFU, padding and peak memory (or its error)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    row = {"run": run, "start_mem_gib": torch.cuda.memory_allocated() / 2**30}
+    try:
+        if name == "plain":
+            step, desc, shape = plain_step(path, batch, args.micro_batch)
+        else:
+            micro = args.pack_tokens // args.fixed_seq if layout == "fixed" else args.micro_batch
+            step, desc, shape = backend_step(name, path, batch, layout == "packed", micro, args.pack_tokens,
+                                             args.max_len)
+        build_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        seconds = sync_time(step, args.steps)
+        del step
+    except Exception as err:  # noqa: BLE001 - report and go on with the other runs
+        row.update({"error": f"{type(err).__name__}: {err}"[:600],
+                    "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+        return row
+    seq_lens = [int(n) for n in batch.seq_lens]
+    tokens = sum(seq_lens)
+    flops = model_flops(path, seq_lens)
+    row.update({"layout": desc, "step_s": seconds, "real_tokens": tokens, **shape,
+                "padding_overhead": shape["computed_tokens"] / tokens - 1,
+                "real_tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12,
+                "mfu_vs_measured_matmul": flops / seconds / 1e12 / peak,
+                "peak_mem_gib": max(build_peak, torch.cuda.max_memory_allocated()) / 2**30,
+                "peak_step_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Real tokens/s against the same learner padded and on fixed-length rows, and against plain."""
+    by_run = {r["run"]: r for r in rows if "real_tokens_per_s" in r}
+    for r in by_run.values():
+        name, _ = r["run"].split(":")
+        for ref_run, key in ((f"{name}:padded", "vs_padded"), (f"{name}:fixed", "vs_fixed"),
+                             ("plain:padded", "vs_plain")):
+            if ref_run in by_run and ref_run != r["run"]:
+                r[key] = r["real_tokens_per_s"] / by_run[ref_run]["real_tokens_per_s"]
+
+
+def write(result: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 
 from rlserve.training.attention import cu_seqlens_of
 from rlserve.training.forward import completion_positions
-from rlserve.training.packing import first_fit_decreasing
+from rlserve.training.packing import get_packer
 
 
 @dataclass
@@ -165,12 +165,13 @@ def _empty(field: torch.Tensor | None) -> torch.Tensor | None:
     return None if field is None else field.new_zeros(0)
 
 
-def _groups(batch: TrainBatch, idx: list[int], packed: bool, micro_batch_size: int, mb_tokens: int
-            ) -> list[list[int]]:
+def _groups(batch: TrainBatch, idx: list[int], packed: bool, micro_batch_size: int, mb_tokens: int,
+            algorithm: str) -> list[list[int]]:
     if not idx:
         return []
     if packed:
-        return [[idx[j] for j in b] for b in first_fit_decreasing([int(batch.seq_lens[i]) for i in idx], mb_tokens)]
+        bins = get_packer(algorithm)([int(batch.seq_lens[i]) for i in idx], mb_tokens)
+        return [[idx[j] for j in b] for b in bins]
     return [idx[k:k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)]
 
 
@@ -187,11 +188,11 @@ def _balance_tokens(batch: TrainBatch, idx: list[int], dp_size: int) -> list[lis
 
 
 def rank_micro_batches(batch: TrainBatch, idx: list[int], dp_rank: int, dp_size: int, *, packed: bool,
-                       micro_batch_size: int, mb_tokens: int, pad_id: int = 0) -> list[MicroBatch]:
+                       micro_batch_size: int, mb_tokens: int, algorithm: str, pad_id: int = 0) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches for the sequences `idx` of one optimizer step.
 
     Packed, micro-batches are formed by tokens: sequences go to ranks balancing their token counts,
-    then into bins of `mb_tokens` (first-fit decreasing). Padded, they are dealt out strided and cut
+    then into bins of `mb_tokens` (`algorithm`: rlserve.training.packing). Padded, they are dealt out strided and cut
     into `micro_batch_size` rows. Every rank then gets as many micro-batches as the busiest rank
     (padded with dummies), because FSDP's collectives need the same number of forward/backward
     passes on every rank. Each rank sees the whole batch, so no communication is needed to agree.
@@ -199,7 +200,7 @@ def rank_micro_batches(batch: TrainBatch, idx: list[int], dp_rank: int, dp_size:
     the minibatch's global counts (`rlserve.training.objective`).
     """
     shares = _balance_tokens(batch, idx, dp_size) if packed else [idx[r::dp_size] for r in range(dp_size)]
-    plans = [_groups(batch, share, packed, micro_batch_size, mb_tokens) for share in shares]
+    plans = [_groups(batch, share, packed, micro_batch_size, mb_tokens, algorithm) for share in shares]
     mine = [_make(batch, g, packed, pad_id) for g in plans[dp_rank]]
     filler = shares[dp_rank][:1] or idx[:1]
     mine += [_make(batch, filler, packed, pad_id, dummy=True)
