@@ -12,7 +12,8 @@ Runs (`--runs`, each `learner:layout`):
   - plain:padded    AutoModelForCausalLM + FSDP2 (bf16 mixed precision) + AdamW, micro-batches of
                     `--micro-batch` rows, attention mask, cross-entropy on completion tokens only;
   - dtensor|megatron:padded   the backend, micro-batches of `--micro-batch` rows (right padding);
-  - dtensor|megatron:packed   sequence packing into bins of `--pack-tokens` (first-fit decreasing);
+  - dtensor|megatron:packed   sequence packing into bins of `--pack-tokens` (the default algorithm,
+                              "balanced"; `packed-ffd`: plain first-fit decreasing);
   - dtensor|megatron:fixed    every row `--fixed-seq` tokens (prompt `--prompt`), as many rows as
                               make the batch's real token count, `--pack-tokens` tokens per micro-batch.
 
@@ -78,28 +79,32 @@ def model_flops(path: Path, lengths: list[int]) -> float:
     return sum(6 * params * n + 12 * config.num_hidden_layers * config.hidden_size * n * n for n in lengths)
 
 
-def spec_for(backend: str, packed: bool, micro_batch: int, pack_tokens: int, max_len: int):
+def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_len: int):
     from rlserve.config import parse_spec
 
+    packing = {"enabled": layout.startswith("packed"), "train_mb_tokens": pack_tokens}
+    if layout == "packed-ffd":
+        packing["algorithm"] = "first_fit_decreasing"
     policy = {"precision": "bfloat16", "max_total_sequence_length": max_len, "train_micro_batch_size": micro_batch,
               "train_global_batch_size": 100000, "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0,
-              "sequence_packing": {"enabled": packed, "train_mb_tokens": pack_tokens}}
+              "sequence_packing": packing}
     if backend == "megatron":
         policy["megatron_cfg"] = {"enabled": True}
     return parse_spec({"policy": policy, "cluster": {"device": "cuda"},
                        "loss_fn": {"reference_policy_kl_penalty": 0.01, "use_importance_sampling_correction": True}})
 
 
-def backend_step(name: str, path: Path, batch: TrainBatch, packed: bool, micro_batch: int, pack_tokens: int,
+def backend_step(name: str, path: Path, batch: TrainBatch, layout: str, micro_batch: int, pack_tokens: int,
                  max_len: int) -> tuple[Callable[[], None], str, dict]:
     from rlserve.learner import make_backend
     from rlserve.training.objective import StepObjective
 
-    spec = spec_for(name, packed, micro_batch, pack_tokens, max_len)
+    spec = spec_for(name, layout, micro_batch, pack_tokens, max_len)
     backend = make_backend(spec, path, torch.device("cuda", 0))
     plan = StepObjective(spec, batch, "grpo", 1, 0, backend.pad_id).plans
     shape = {"micro_batches": sum(len(p) for p in plan),
-             "computed_tokens": sum(mb.input_ids.numel() for p in plan for mb in p)}
+             "computed_tokens": sum(mb.input_ids.numel() for p in plan for mb in p),
+             "largest_micro_batch_tokens": max(mb.input_ids.numel() for p in plan for mb in p)}
     return (lambda: backend.train_step(batch, "grpo")), backend.info().parallel_layout, shape
 
 
@@ -115,7 +120,7 @@ def plain_step(path: Path, batch: TrainBatch, micro_batch: int) -> tuple[Callabl
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
-    chunks, computed = [], 0
+    chunks = []
     for k in range(0, batch.num_seqs, micro_batch):
         seqs = [batch.sequence(i) for i in range(k, min(k + micro_batch, batch.num_seqs))]
         width = max(len(s) for s in seqs)
@@ -127,7 +132,6 @@ def plain_step(path: Path, batch: TrainBatch, micro_batch: int) -> tuple[Callabl
             p = int(batch.prompt_lens[i])
             labels[row, p:len(s)] = s[p:]
         chunks.append((ids.cuda(), mask.cuda(), labels.cuda()))
-        computed += ids.numel()
 
     def step() -> None:
         for ids, mask, labels in chunks:
@@ -136,7 +140,9 @@ def plain_step(path: Path, batch: TrainBatch, micro_batch: int) -> tuple[Callabl
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, "fsdp2 1 rank, transformers sdpa + mask", {"micro_batches": len(chunks), "computed_tokens": computed}
+    sizes = [ids.numel() for ids, _, _ in chunks]
+    return step, "fsdp2 1 rank, transformers sdpa + mask", {
+        "micro_batches": len(chunks), "computed_tokens": sum(sizes), "largest_micro_batch_tokens": max(sizes)}
 
 
 def logprob_memory(vocab: int, hidden: int, rows: int) -> dict:
@@ -249,8 +255,7 @@ def measure(run: str, name: str, layout: str, batch: TrainBatch, path: Path, arg
             step, desc, shape = plain_step(path, batch, args.micro_batch)
         else:
             micro = args.pack_tokens // args.fixed_seq if layout == "fixed" else args.micro_batch
-            step, desc, shape = backend_step(name, path, batch, layout == "packed", micro, args.pack_tokens,
-                                             args.max_len)
+            step, desc, shape = backend_step(name, path, batch, layout, micro, args.pack_tokens, args.max_len)
         build_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         seconds = sync_time(step, args.steps)
