@@ -3,8 +3,9 @@ lengths, padded vs packed, both backends, against a plain transformers + FSDP2 l
 real tokens, and against the same backend on fixed-length rows at equal tokens per micro-batch.
 
 The batch (`rl_lengths`, documented there) is shaped like a GRPO rollout: `--seqs` sequences of a
-`--prompt`-token prompt plus a completion whose length is log-normal (median 600 tokens, sigma
-0.8: a long tail of a few near the cap), clipped to 16 .. `--max-len` - prompt. GRPO loss with
+`--prompt`-token prompt plus a completion whose length is log-normal (median
+`--median-completion`, 600 tokens, sigma 0.8: a long tail of a few near the cap), clipped to
+16 .. `--max-len` - prompt. GRPO loss with
 random advantages, generator logprobs (importance-sampling correction on) and reference logprobs
 (KL penalty 0.01); one optimizer update per step over the whole batch.
 
@@ -49,13 +50,13 @@ import torch  # noqa: E402
 from rlserve.training.batch import TrainBatch  # noqa: E402
 from scripts.bench.learner_gpu import matmul_tflops, model_folder, sync_time  # noqa: E402
 
-MEDIAN_COMPLETION, SIGMA = 600, 0.8
+SIGMA = 0.8
 
 
-def rl_lengths(n: int, prompt: int, max_len: int, seed: int) -> list[int]:
-    """Total lengths: prompt + completion, completion ~ LogNormal(ln 600, 0.8) clipped to 16..max-prompt."""
+def rl_lengths(n: int, prompt: int, max_len: int, median: int, seed: int) -> list[int]:
+    """Total lengths: prompt + completion, completion ~ LogNormal(ln median, 0.8) clipped to 16..max-prompt."""
     g = torch.Generator().manual_seed(seed)
-    comp = torch.exp(math.log(MEDIAN_COMPLETION) + SIGMA * torch.randn(n, generator=g))
+    comp = torch.exp(math.log(median) + SIGMA * torch.randn(n, generator=g))
     return [prompt + int(c) for c in comp.clamp(16, max_len - prompt)]
 
 
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--median-completion", type=int, default=600)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--pack-tokens", type=int, default=32768)
     parser.add_argument("--fixed-seq", type=int, default=2048)
@@ -207,14 +209,14 @@ def main() -> None:
     torch.cuda.empty_cache()
     path = model_folder(args.preset)
     config = AutoConfig.from_pretrained(path)
-    lengths = rl_lengths(args.seqs, args.prompt, args.max_len, args.seed)
+    lengths = rl_lengths(args.seqs, args.prompt, args.max_len, args.median_completion, args.seed)
     rl = grpo_batch(lengths, args.prompt, config.vocab_size, args.seed)
     real = sum(lengths)
     fixed_rows = -(-real // args.fixed_seq)
     fixed = grpo_batch([args.fixed_seq] * fixed_rows, args.prompt, config.vocab_size, args.seed)
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "preset": args.preset,
               "seqs": args.seqs, "prompt": args.prompt, "max_len": args.max_len,
-              "length_distribution": f"prompt {args.prompt} + LogNormal(ln {MEDIAN_COMPLETION}, {SIGMA}) "
+              "length_distribution": f"prompt {args.prompt} + LogNormal(ln {args.median_completion}, {SIGMA}) "
                                      f"clipped to 16..{args.max_len - args.prompt}",
               "lengths": {"mean": real / len(lengths), "max": max(lengths), "min": min(lengths), "total": real},
               "micro_batch": args.micro_batch, "pack_tokens": args.pack_tokens, "fixed_seq": args.fixed_seq,
@@ -238,7 +240,8 @@ def run_isolated(run: str, args) -> dict:
     """`run` measured in a fresh process, so that no run's memory or state leaks into the next."""
     out = Path(tempfile.mkdtemp()) / "row.json"
     cmd = [sys.executable, __file__, "--runs", run, "--out", str(out)]
-    for key in ("preset", "seqs", "prompt", "max_len", "micro_batch", "pack_tokens", "fixed_seq", "steps", "seed"):
+    for key in ("preset", "seqs", "prompt", "max_len", "median_completion", "micro_batch", "pack_tokens", "fixed_seq",
+                "steps", "seed"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     code = subprocess.run(cmd, check=False).returncode
     return json.loads(out.read_text())["rows"][0] if out.is_file() else {"run": run, "error": f"exit code {code}"}

@@ -25,7 +25,8 @@ def test_rl_benchmark_runs_every_layout(tmp_path):
     except ImportError:  # megatron-core is optional on GPU machines
         pass
     proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench/learner_rl_gpu.py"), "--preset", "tiny",
-                           "--seqs", "12", "--prompt", "8", "--max-len", "96", "--micro-batch", "4",
+                           "--seqs", "12", "--prompt", "8", "--max-len", "96", "--median-completion", "30",
+                           "--micro-batch", "4",
                            "--pack-tokens", "256", "--fixed-seq", "64", "--steps", "1", "--runs", *runs,
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
