@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
@@ -77,9 +78,16 @@ class Coordinator:
             splits = build_splits(spec.data)
         except ValueError as err:
             raise invalid_argument("data", str(err)) from None
-        tok = PromptTokenizer(model)
+        try:
+            tok = PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
+        except ValueError as err:
+            raise failed_precondition(str(err)) from None
         room = spec.policy.max_total_sequence_length - spec.policy.generation.max_new_tokens
-        longest = max(len(tok.encode(ex.prompt)) for ex in splits.train[:2000] + splits.val)
+        try:
+            longest = max(len(tok.prompt_ids(ex)) for ex in splits.train[:2000] + splits.val)
+        except TemplateError as err:
+            raise invalid_argument("data.prompt_format", f"the model's chat template fails on this data: "
+                                   f"{type(err).__name__}: {err}") from None
         if longest > room:
             raise invalid_argument("policy.max_total_sequence_length",
                                    f"a prompt of {longest} tokens + max_new_tokens "

@@ -28,7 +28,7 @@ class Context:
         spec = run.spec
         self.run, self.spec, self.calls, self.settings = run, spec, calls, settings
         self.model_path = resolve_model(spec.policy.model_name, spec.policy.model_seed)
-        self.tok = PromptTokenizer(self.model_path)
+        self.tok = PromptTokenizer(self.model_path, spec.data.prompt_format, spec.data.system_prompt)
         self.splits = build_splits(spec.data)
         self.val_examples = self.splits.val[: spec.grpo.max_val_samples]
         self.sampler = PromptSampler(self.splits.train, spec.data.seed)

@@ -18,7 +18,7 @@ from services.coordinator.rollouts import BatchTimings, generate, score, score_i
 async def evaluate(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: PromptTokenizer, examples: list[Example],
                    min_version: int) -> dict[str, float]:
     timings = BatchTimings()
-    gen = await generate(calls, spec, run_id, [tok.encode(ex.prompt) for ex in examples], 1,
+    gen = await generate(calls, spec, run_id, [tok.prompt_ids(ex) for ex in examples], tok.eos_ids, 1,
                          greedy=spec.grpo.val_greedy, seed=spec.grpo.seed, min_version=min_version, timings=timings)
     texts = [[c.samples[0].text] for c in gen.completions]
     ids = [[f"{run_id}/val/{i}"] for i in range(len(examples))]

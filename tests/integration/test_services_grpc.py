@@ -145,3 +145,13 @@ def test_score_metadata_is_passed_to_plugins(channel):
     resp = stub.Score(reward_pb2.ScoreRequest(items=[item], functions=[reward_pb2.RewardFunctionSpec(
         name="countdown")]), metadata=metadata("reward"))
     assert resp.results[0].score == 1.0
+
+
+def test_math_verify_scores_in_the_reward_service(channel):
+    """The math-verify checks run in the replica's helper process (its time limits need a main thread)."""
+    stub = reward_pb2_grpc.RewardStub(channel)
+    items = [reward_pb2.ScoreItem(id="a", completion="so $\\frac{2}{4}$", reference_answer="\\frac{1}{2}"),
+             reward_pb2.ScoreItem(id="b", completion="it is 0.4", reference_answer="\\frac{1}{2}")]
+    resp = stub.Score(reward_pb2.ScoreRequest(items=items, functions=[reward_pb2.RewardFunctionSpec(
+        name="math_verify")]), metadata=metadata("reward"))
+    assert [r.score for r in resp.results] == [1.0, 0.0] and resp.num_errors == 0

@@ -246,12 +246,32 @@ class LossFnCfg(Section):
         return self
 
 
+class DataColumnsCfg(Section):
+    """The data file's column for each field (HF `datasets` files keep their own names)."""
+
+    prompt: str = "prompt"
+    messages: str = "messages"
+    answer: str = "answer"
+    metadata: str = "metadata"
+
+
+# data.task values that read train_path/val_path instead of generating examples.
+FILE_TASKS = ("jsonl", "parquet")
+
+
 class DataCfg(Section):
-    # A built-in synthetic task, or "jsonl" for train_path/val_path files.
+    # A built-in synthetic task, or "jsonl"/"parquet" for train_path/val_path files.
     task: str = "addition"
     task_args: dict[str, Any] = {}
     train_path: str | None = None
     val_path: str | None = None
+    # Which columns of the files hold the prompt (or chat messages), the answer and metadata.
+    columns: DataColumnsCfg = DataColumnsCfg()
+    # "raw": prompt text as the tokenizer encodes it; "chat": the tokenizer's chat template with
+    # add_generation_prompt (rows with `messages` need it).
+    prompt_format: Literal["raw", "chat"] = "raw"
+    # A system message put before each prompt (chat format, rows without `messages`).
+    system_prompt: str | None = None
     num_train: int = Field(20000, ge=1)
     num_val: int = Field(128, ge=1)
     seed: int = 1234
@@ -259,10 +279,10 @@ class DataCfg(Section):
     @field_validator("task")
     @classmethod
     def _task_known(cls, v: str) -> str:
-        if v != "jsonl" and v not in TASKS:
-            close = difflib.get_close_matches(v, [*TASKS, "jsonl"], n=1)
+        if v not in FILE_TASKS and v not in TASKS:
+            close = difflib.get_close_matches(v, [*TASKS, *FILE_TASKS], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join([*TASKS, 'jsonl'])})")
+            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join([*TASKS, *FILE_TASKS])})")
         return v
 
     @field_validator("task_args")
@@ -271,14 +291,18 @@ class DataCfg(Section):
         task = info.data.get("task")
         if task in TASKS:
             TASKS[task].parse_args(v)
-        elif task == "jsonl" and v:
-            raise ValueError("the jsonl task takes no task_args")
+        elif task in FILE_TASKS and v:
+            raise ValueError(f"the {task} task takes no task_args")
         return v
 
     @model_validator(mode="after")
     def _paths(self) -> DataCfg:
-        if self.task == "jsonl" and not self.train_path:
-            raise ValueError("data.train_path: required when data.task is 'jsonl'")
+        if self.task in FILE_TASKS and not self.train_path:
+            raise ValueError(f"data.train_path: required when data.task is {self.task!r}")
+        if self.task not in FILE_TASKS and self.columns != DataColumnsCfg():
+            raise ValueError(f"data.columns: only for data files (data.task: {' or '.join(FILE_TASKS)})")
+        if self.system_prompt is not None and self.prompt_format != "chat":
+            raise ValueError("data.system_prompt: needs data.prompt_format: chat")
         return self
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from rlserve.config.spec import DataCfg
-from rlserve.data.jsonl import load_jsonl
+from rlserve.config.spec import FILE_TASKS, DataCfg
+from rlserve.data.files import load_examples
 from rlserve.data.tasks import Example, get_task
 
 
@@ -18,10 +18,10 @@ class Splits:
 
 def build_splits(cfg: DataCfg) -> Splits:
     """Validation prompts first, then training prompts that never repeat a validation prompt."""
-    if cfg.task == "jsonl":
-        train = load_jsonl(cfg.train_path)
+    if cfg.task in FILE_TASKS:
+        train = load_examples(cfg.train_path, cfg)
         if cfg.val_path:
-            return Splits(train, load_jsonl(cfg.val_path)[: cfg.num_val])
+            return Splits(train, load_examples(cfg.val_path, cfg)[: cfg.num_val])
         rng = random.Random(cfg.seed)
         shuffled = train[:]
         rng.shuffle(shuffled)

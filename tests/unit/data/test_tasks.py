@@ -9,7 +9,7 @@ import pytest
 
 from rlserve.config.spec import DataCfg
 from rlserve.data.dataset import PromptSampler, build_splits
-from rlserve.data.jsonl import load_jsonl
+from rlserve.data.files import load_examples
 from rlserve.data.tasks import TASKS, get_task
 from rlserve.models.tokenizer import ALPHABET
 from rlserve.rewards.builtins import Countdown, ExactMatch
@@ -65,11 +65,11 @@ def test_jsonl_loader(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2", "metadata": {"k": 1}}) + "\n\n"
                     + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
-    rows = load_jsonl(path)
+    rows = load_examples(path, DataCfg(task="jsonl", train_path=str(path)))
     assert [r.answer for r in rows] == ["2", "4"] and rows[0].metadata == {"k": 1}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x", "answer": "y"}\n{"prompt": ""}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
-        load_jsonl(bad)
+        load_examples(bad, DataCfg(task="jsonl", train_path=str(bad)))
     splits = build_splits(DataCfg(task="jsonl", train_path=str(path), num_val=1))
     assert len(splits.train) + len(splits.val) == 2
