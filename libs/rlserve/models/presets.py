@@ -4,9 +4,11 @@
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
 reload leaves a tied output layer stale), `small` is for CPU benchmarks, `1b`
-for GPU benchmarks, `tiny-chat` is `tiny` with a byte-level BPE tokenizer, a
-chat template and two EOS ids (what a real chat model brings), and `moe-tiny`
-exercises the Mixtral-shaped MoE path of the Megatron backend.
+for GPU benchmarks, `1b-152k` is `1b` with a Qwen-sized vocabulary (151,936
+entries, 0.31B parameters in the output layer alone) where the logprob and
+entropy memory dominates, `tiny-chat` is `tiny` with a byte-level BPE
+tokenizer, a chat template and two EOS ids (what a real chat model brings),
+and `moe-tiny` exercises the Mixtral-shaped MoE path of the Megatron backend.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", "llama", 192, 2, 6, 2, 768, 256, False),
         ModelPreset("small", "llama", 512, 8, 8, 4, 1536, 512, False, padded_vocab_size=4096),
         ModelPreset("1b", "llama", 2048, 16, 16, 8, 5632, 4096, False, padded_vocab_size=32000),
+        ModelPreset("1b-152k", "llama", 2048, 16, 16, 8, 5632, 32768, False, padded_vocab_size=151936),
         ModelPreset("tiny-chat", "llama", 192, 2, 6, 2, 768, 256, False, tokenizer="bpe-chat"),
         ModelPreset("moe-tiny", "mixtral", 128, 2, 4, 2, 256, 256, False, num_experts=4, experts_per_token=2),
     )
