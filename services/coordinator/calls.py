@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 from ray import serve
 
-from rlserve.rpc import RpcError
+from rlserve.rpc import status_of
 from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2
 
 T = TypeVar("T")
@@ -28,19 +28,6 @@ _FINAL = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.Stat
 
 class ServiceFailure(Exception):
     """A service call failed for good (after retries, or with a non-retryable status)."""
-
-
-def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(err, RpcError):
-        return err.code, err.message
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, RpcError):
-        return cause.code, cause.message
-    if isinstance(err, grpc.aio.AioRpcError):
-        return err.code(), err.details() or ""
-    if isinstance(err, asyncio.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "timed out"
-    return grpc.StatusCode.UNAVAILABLE, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 @dataclass(frozen=True)
@@ -75,7 +62,8 @@ class ServiceCalls:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below
-                code, message = status_of(err)
+                status = status_of(err)
+                code, message = status.code, status.message
                 if code in _FINAL:
                     raise ServiceFailure(f"{what}: {code.name}: {message}") from None
                 if attempt == self.policy.retries:

@@ -4,29 +4,53 @@ Key names follow NeMo-RL's config (`policy.*`, `grpo.*`, `loss_fn.*`,
 `data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home.
 Every default lives here, on the classes; call sites read fields and never
 pass their own fallbacks. Unknown keys are errors (see `rlserve.config.errors`).
+
+Every size has an upper bound and every float must be finite: a spec comes
+from a request, and validating it must be cheap and must not admit a run that
+cannot fit the machine or the proto fields that report it (a `max_num_steps`
+of 2**70 once made every later ListRuns fail).
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlserve.data.tasks import TASKS
 
+# Upper bounds of the spec's sizes (a request cannot ask for more).
+MAX_STEPS = 1_000_000
+MAX_PROMPTS_PER_STEP = 4096
+MAX_GENERATIONS_PER_PROMPT = 1024
+MAX_TRAJECTORIES_PER_STEP = 65_536
+MAX_SEQUENCE_LENGTH = 131_072
+MAX_EXAMPLES = 1_000_000
+MAX_VAL_EXAMPLES = 100_000
+MAX_SEED = 2**31 - 1
+MAX_WORKERS = 1024
+MAX_NAME_CHARS = 64
+MAX_PATH_CHARS = 4096
+# Run names become folder names: letters, digits, '-', '_', '.', not starting with '.'.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
 
 class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, values are checked on assignment."""
+    """Base of every spec section: unknown keys are errors, values are checked on assignment, floats finite."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class AdamWKwargs(Section):
     lr: float = Field(1e-4, gt=0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=1.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    eps: float = Field(1e-8, gt=0, le=1.0)
 
     @field_validator("betas")
     @classmethod
@@ -42,7 +66,7 @@ class OptimizerCfg(Section):
 
 
 class SchedulerCfg(Section):
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     # "constant" after warm-up, or cosine decay to min_lr_ratio * lr at grpo.max_num_steps.
     decay: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -50,7 +74,7 @@ class SchedulerCfg(Section):
 
 class DTensorCfg(Section):
     enabled: bool = True
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_WORKERS)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     cpu_offload: bool = False
@@ -60,14 +84,14 @@ class MegatronCfg(Section):
     """Megatron-Core settings. Keys beyond these are forwarded to Megatron's
     TransformerConfig/DDP/optimizer configs and checked by the backend."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     enabled: bool = False
-    tensor_model_parallel_size: int | None = Field(None, ge=1)
-    pipeline_model_parallel_size: int | None = Field(None, ge=1)
-    context_parallel_size: int | None = Field(None, ge=1)
-    expert_model_parallel_size: int | None = Field(None, ge=1)
-    expert_tensor_parallel_size: int | None = Field(None, ge=1)
+    tensor_model_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    pipeline_model_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    context_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    expert_model_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    expert_tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     use_distributed_optimizer: bool = True
@@ -80,43 +104,44 @@ class MegatronCfg(Section):
 
 
 class VllmCfg(Section):
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_WORKERS)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    max_model_len: int = Field(256, ge=8)
+    max_model_len: int = Field(256, ge=8, le=MAX_SEQUENCE_LENGTH)
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     enforce_eager: bool = True
 
 
 class GenerationCfg(Section):
     backend: Literal["vllm", "transformers"] = "vllm"
-    temperature: float = Field(1.0, ge=0)
+    # vLLM's own range is [0, 2].
+    temperature: float = Field(1.0, ge=0, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    max_new_tokens: int = Field(16, ge=1)
-    stop_strings: list[str] = []
-    stop_token_ids: list[int] = []
+    top_k: int | None = Field(None, ge=1, le=1_000_000)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_SEQUENCE_LENGTH)
+    stop_strings: list[StopString] = Field([], max_length=16)
+    stop_token_ids: list[TokenId] = Field([], max_length=256)
     vllm_cfg: VllmCfg = VllmCfg()
 
 
 class SequencePackingCfg(Section):
     enabled: bool = False
     # Token budget of one packed micro-batch.
-    train_mb_tokens: int = Field(2048, ge=16)
+    train_mb_tokens: int = Field(2048, ge=16, le=2**24)
     algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
 
 
 class PolicyCfg(Section):
     # An HF folder, or "preset:NAME" (a generated model, see `rlserve make-model`).
-    model_name: str = "preset:tiny"
-    model_seed: int = 0
+    model_name: str = Field("preset:tiny", max_length=MAX_PATH_CHARS)
+    model_seed: Seed = 0
     precision: Literal["float32", "bfloat16"] = "float32"
     # Sequences per optimizer update; None: the whole GRPO batch in one update. Steps whose
     # batch shrank (dropped groups) end with a smaller update.
-    train_global_batch_size: int | None = Field(None, ge=1)
-    train_micro_batch_size: int = Field(64, ge=1)
-    max_total_sequence_length: int = Field(128, ge=8)
+    train_global_batch_size: int | None = Field(None, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
+    train_micro_batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
+    max_total_sequence_length: int = Field(128, ge=8, le=MAX_SEQUENCE_LENGTH)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    refit_buffer_size_mb: int = Field(64, ge=1)
+    refit_buffer_size_mb: int = Field(64, ge=1, le=65_536)
     optimizer: OptimizerCfg = OptimizerCfg()
     scheduler: SchedulerCfg = SchedulerCfg()
     dtensor_cfg: DTensorCfg = DTensorCfg()
@@ -168,19 +193,19 @@ class AsyncGrpoCfg(Section):
 
 
 class GrpoCfg(Section):
-    num_prompts_per_step: int = Field(32, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
-    max_num_steps: int = Field(100, ge=1)
+    num_prompts_per_step: int = Field(32, ge=1, le=MAX_PROMPTS_PER_STEP)
+    num_generations_per_prompt: int = Field(8, ge=1, le=MAX_GENERATIONS_PER_PROMPT)
+    max_num_steps: int = Field(100, ge=1, le=MAX_STEPS)
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
     skip_zero_advantage_groups: bool = True
-    val_period: int = Field(10, ge=0)
+    val_period: int = Field(10, ge=0, le=MAX_STEPS)
     val_at_start: bool = True
-    max_val_samples: int = Field(128, ge=1)
+    max_val_samples: int = Field(128, ge=1, le=MAX_VAL_EXAMPLES)
     # Validation decodes greedily so that before/after numbers are comparable.
     val_greedy: bool = True
-    seed: int = 42
+    seed: Seed = 42
     async_grpo: AsyncGrpoCfg = AsyncGrpoCfg()
 
     @property
@@ -193,10 +218,10 @@ class SftCfg(Section):
     """Supervised warm start on the task's reference answers before GRPO."""
 
     enabled: bool = False
-    max_num_steps: int = Field(300, ge=1)
-    batch_size: int = Field(64, ge=1)
+    max_num_steps: int = Field(300, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
     lr: float = Field(1e-3, gt=0, le=1.0)
-    val_period: int = Field(25, ge=1)
+    val_period: int = Field(25, ge=1, le=MAX_STEPS)
     # Stop early once the held-out reward reaches this (None: run all steps).
     stop_at_val_reward: float | None = Field(0.25, ge=0)
 
@@ -207,7 +232,7 @@ class LossFnCfg(Section):
     kl_input_clamp_value: float | None = Field(20.0, gt=0)
     kl_output_clamp_value: float | None = Field(10.0, gt=0)
     ratio_clip_min: float = Field(0.2, ge=0, lt=1)
-    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0, le=100)
     # Dual-clip constant c > 1 (Ye et al. 2020); None disables it.
     ratio_clip_c: float | None = Field(None, gt=1)
     use_on_policy_kl_approximation: bool = False
@@ -241,11 +266,12 @@ class DataCfg(Section):
     # A built-in synthetic task, or "jsonl" for train_path/val_path files.
     task: str = "addition"
     task_args: dict[str, Any] = {}
-    train_path: str | None = None
-    val_path: str | None = None
-    num_train: int = Field(20000, ge=1)
-    num_val: int = Field(128, ge=1)
-    seed: int = 1234
+    # JSONL files, inside the cluster's data directories (the cluster file's `data_dirs`).
+    train_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    val_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    num_train: int = Field(20000, ge=1, le=MAX_EXAMPLES)
+    num_val: int = Field(128, ge=1, le=MAX_VAL_EXAMPLES)
+    seed: Seed = 1234
 
     @field_validator("task")
     @classmethod
@@ -276,17 +302,19 @@ class DataCfg(Section):
 class RewardFunctionCfg(Section):
     # A built-in name (exact_match, math_verify, format, length_penalty, countdown) or any
     # label when import_path is given.
-    name: str
-    import_path: str | None = None
-    weight: float = 1.0
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    # Only plug-ins the operator allow-listed (the cluster file's reward.allowed_plugins).
+    import_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
     args: dict[str, Any] = {}
 
 
 class RewardCfg(Section):
     # Empty: the functions the reward service was deployed with.
-    functions: list[RewardFunctionCfg] = []
-    # host:port of an external gRPC server implementing rlserve.v1.Reward.
-    endpoint: str | None = None
+    functions: list[RewardFunctionCfg] = Field([], max_length=16)
+    # host:port of an external gRPC server implementing rlserve.v1.Reward (one the cluster file's
+    # reward.allowed_endpoints admits).
+    endpoint: str | None = Field(None, max_length=300)
 
     @field_validator("endpoint")
     @classmethod
@@ -303,8 +331,8 @@ class CheckpointingCfg(Section):
     enabled: bool = True
     # None: <run_dir>/checkpoints.
     checkpoint_dir: str | None = None
-    save_period: int = Field(10, ge=1)
-    keep_last: int = Field(2, ge=1)
+    save_period: int = Field(10, ge=1, le=MAX_STEPS)
+    keep_last: int = Field(2, ge=1, le=1000)
 
 
 class LoggerCfg(Section):
@@ -314,16 +342,17 @@ class LoggerCfg(Section):
 
 class ClusterCfg(Section):
     # Learner ranks (one torch.distributed process each).
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(1, ge=1, le=MAX_WORKERS)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpus_per_worker: float = Field(0.5, gt=0)
-    gpus_per_worker: float = Field(0.0, ge=0)
+    cpus_per_worker: float = Field(0.5, gt=0, le=1024)
+    gpus_per_worker: float = Field(0.0, ge=0, le=64)
     # Threads for torch inside each learner rank.
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1, le=1024)
 
 
 class RunSpec(Section):
-    name: str = "grpo"
+    # Part of the run id and of its folder's name.
+    name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
     policy: PolicyCfg = PolicyCfg()
     grpo: GrpoCfg = GrpoCfg()
     sft: SftCfg = SftCfg()
@@ -337,6 +366,11 @@ class RunSpec(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
         gen = self.policy.generation
+        if self.batch_size > MAX_TRAJECTORIES_PER_STEP:
+            raise ValueError(
+                f"grpo.num_generations_per_prompt: {self.grpo.num_prompts_per_step} prompts x "
+                f"{self.grpo.num_generations_per_prompt} generations exceed {MAX_TRAJECTORIES_PER_STEP} "
+                f"trajectories per step")
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(
                 f"policy.generation.max_new_tokens: {gen.max_new_tokens} must be below "
