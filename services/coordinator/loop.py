@@ -212,7 +212,8 @@ async def watchdog(ctx: Context) -> None:
 async def run_grpo(run: Run, settings: LoopSettings) -> None:
     calls = ServiceCalls(settings.apps, run.spec.reward.endpoint, settings.retry,
                          on_retry=lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg))
-    ctx = Context(run, calls, settings)
+    # Off the event loop: building the data set takes a while, and the coordinator keeps answering meanwhile.
+    ctx = await asyncio.to_thread(Context, run, calls, settings)
     tasks: list[asyncio.Task] = []
     try:
         dog = asyncio.create_task(watchdog(ctx))

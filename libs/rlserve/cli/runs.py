@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", type=Path, nargs="?")
     p.add_argument("--watch", action="store_true", help="follow the run until it ends (exit 1 if it fails)")
     p.add_argument("--run-id", default="")
-    p.add_argument("--resume", metavar="RUN_ID", help="continue RUN_ID from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue RUN_ID from its last checkpoint (with SPEC: "
+                   "extend it to that spec's grpo.max_num_steps)")
     _connection_args(p)
     p.set_defaults(func=submit)
 
@@ -55,7 +56,8 @@ def _fail(err: grpc.RpcError) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     if args.resume:
-        spec_yaml, run_id = "", args.resume
+        # With a spec: extend the run (only grpo.max_num_steps may differ from its stored spec).
+        spec_yaml, run_id = (args.spec.read_text() if args.spec else ""), args.resume
     else:
         if args.spec is None or not args.spec.is_file():
             print(f"rlserve: give a spec file (got {args.spec})", file=sys.stderr)

@@ -124,7 +124,8 @@ class ClusterFile(BaseModel):
         update: dict[str, Any] = {
             "runs_dir": fix(self.runs_dir), "model_dirs": [fix(p) for p in self.model_dirs],
             "data_dirs": [fix(p) for p in self.data_dirs],
-            "reward": self.reward.model_copy(update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
+            "reward": self.reward.model_copy(
+                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
         if isinstance(self.auth, AuthCfg):
             update["auth"] = AuthCfg(token_file=fix(self.auth.token_file),
                                      admin_token_file=fix(self.auth.admin_token_file))

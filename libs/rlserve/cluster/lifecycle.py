@@ -172,8 +172,8 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
     from ray.serve import RunTarget
 
     apps = [a for a in config["applications"] if only is None or a["name"] in only]
-    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"], route_prefix=a["route_prefix"])
-               for a in apps]
+    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"],
+                         route_prefix=a["route_prefix"]) for a in apps]
     serve.run_many(targets, wait_for_applications_running=False)
     names = [a["name"] for a in apps]
 

@@ -14,6 +14,7 @@ of 2**70 once made every later ListRuns fail).
 from __future__ import annotations
 
 import difflib
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -307,6 +308,15 @@ class RewardFunctionCfg(Section):
     import_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
     weight: float = Field(1.0, ge=-1e6, le=1e6)
     args: dict[str, Any] = {}
+
+    @field_validator("args")
+    @classmethod
+    def _json_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError("must be JSON data (strings, finite numbers, booleans, lists, mappings)") from None
+        return v
 
 
 class RewardCfg(Section):

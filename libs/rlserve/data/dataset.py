@@ -16,8 +16,12 @@ class Splits:
     val: list[Example]
 
 
-def build_splits(cfg: DataCfg) -> Splits:
-    """Validation prompts first, then training prompts that never repeat a validation prompt."""
+def build_splits(cfg: DataCfg, max_train: int | None = None) -> Splits:
+    """Validation prompts first, then training prompts that never repeat a validation prompt.
+
+    `max_train` builds only that many training examples (the first ones the full build would give),
+    for checks that need a sample and must stay cheap.
+    """
     if cfg.task == "jsonl":
         train = load_jsonl(cfg.train_path)
         if cfg.val_path:
@@ -37,7 +41,8 @@ def build_splits(cfg: DataCfg) -> Splits:
         attempts += 1
     train: list[Example] = []
     attempts = 0
-    while len(train) < cfg.num_train and attempts < 50 * cfg.num_train:
+    wanted = cfg.num_train if max_train is None else min(cfg.num_train, max_train)
+    while len(train) < wanted and attempts < 50 * wanted:
         ex = task.example(rng)
         if ex.prompt not in val:
             train.append(ex)

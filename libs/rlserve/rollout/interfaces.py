@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 
+class InvalidRequest(ValueError):
+    """The engine's own validation refused a request (vLLM's sampling checks, say): the caller's
+    mistake, answered INVALID_ARGUMENT and never retried."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine is started; comes from the rollout app's deploy arguments."""
@@ -61,7 +66,7 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        """`n` samples for each prompt, in prompt order."""
+        """`n` samples for each prompt, in prompt order; InvalidRequest if the engine refuses the request."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

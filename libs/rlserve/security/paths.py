@@ -15,9 +15,24 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from rlserve.rpc import permission_denied
+from pydantic import BaseModel, ConfigDict
+
+from rlserve.rpc import invalid_argument, permission_denied
 
 MAX_PATH_CHARS = 4096
+
+
+class PathsArgs(BaseModel):
+    """The cluster's directories, as services get them in their args (from the cluster file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    runs_dir: str = "runs"
+    model_dirs: list[str] = []
+    data_dirs: list[str] = []
+
+    def policy(self) -> PathPolicy:
+        return PathPolicy.from_args(self.runs_dir, self.model_dirs, self.data_dirs)
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -42,6 +57,15 @@ class PathPolicy:
     def model(self, field: str, value: str) -> Path:
         """An HF model folder to read: the model directories (generated presets included) or a run's output."""
         return confine(field, value, (*self.model_dirs, self.runs_dir), "model_dirs")
+
+    def model_name(self, field: str, name: str) -> str:
+        """`preset:NAME` as it is; a folder confined to the model directories, holding an HF model."""
+        if name.startswith("preset:"):
+            return name
+        path = self.model(field, name)
+        if not (path / "config.json").is_file():
+            raise invalid_argument(field, f"{name[:200]!r} is not an HF model folder (no config.json)")
+        return str(path)
 
     def data(self, field: str, value: str) -> Path:
         return confine(field, value, self.data_dirs, "data_dirs")

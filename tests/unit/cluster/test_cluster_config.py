@@ -7,24 +7,41 @@ import yaml
 
 from rlserve.cluster.config import load_cluster_file
 from rlserve.cluster.loopback import rewrite
-from rlserve.cluster.serve_config import APPS, SERVICERS, serve_config
+from rlserve.cluster.serve_config import APPS, serve_config
 from rlserve.config.errors import SpecError
 
 DEFAULT = "deploy/cluster.yaml"
 
 
-def test_default_cluster_is_loopback_and_complete():
+def test_default_cluster_is_loopback_authenticated_and_complete():
     from pathlib import Path
 
     cfg, runs = load_cluster_file(Path(DEFAULT))
     assert cfg.loopback and cfg.address is None
     config = serve_config(cfg, runs)
-    assert config["http_options"]["host"] == "127.0.0.1"
+    assert config["proxy_location"] == "Disabled", "Serve's own proxies would be an unauthenticated way in"
     assert [a["name"] for a in config["applications"]] == list(APPS)
-    assert all(a["route_prefix"] == f"/{a['name']}" for a in config["applications"])
-    assert len(config["grpc_options"]["grpc_servicer_functions"]) == len(SERVICERS) == 5
-    coord = next(a for a in config["applications"] if a["name"] == "coordinator")
-    assert coord["args"]["runs_dir"] == str(runs)
+    apps = {a["name"]: a["args"] for a in config["applications"]}
+    gateway = apps["gateway"]
+    assert gateway["host"] == "127.0.0.1" and gateway["port"] == 9000
+    assert gateway["auth"] == {"token_file": str(runs / ".cluster" / "token"),
+                               "admin_token_file": str(runs / ".cluster" / "admin_token")}
+    assert gateway["expose_internal"] is False and gateway["tls"] is None
+    assert apps["coordinator"]["paths"]["runs_dir"] == str(runs)
+    assert apps["coordinator"]["allowed_plugins"] == [] == apps["reward"]["allowed_plugins"]
+    for name in ("rollout", "reference", "learner", "coordinator"):
+        assert all(Path(d).is_absolute() for d in apps[name]["paths"]["model_dirs"])
+
+
+def test_auth_none_tls_and_relative_paths(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"auth": "none", "tls": {"cert_file": "c.pem", "key_file": "k.pem"},
+                                    "reward": {"allowed_plugins": ["plug.py:f", "pkg.mod:g"]}}))
+    cfg, runs = load_cluster_file(path)
+    gateway = next(a["args"] for a in serve_config(cfg, runs)["applications"] if a["name"] == "gateway")
+    assert gateway["auth"] is None
+    assert gateway["tls"] == {"cert_file": str(tmp_path / "c.pem"), "key_file": str(tmp_path / "k.pem")}
+    assert cfg.reward.allowed_plugins == [f"{tmp_path / 'plug.py'}:f", "pkg.mod:g"]
 
 
 def test_cluster_file_errors_name_the_key(tmp_path):
@@ -48,4 +65,6 @@ def test_kuberay_manifest_deploys_the_same_apps():
     manifest = yaml.safe_load(Path("deploy/kuberay/rayservice.yaml").read_text())
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     assert {a["name"]: a["import_path"] for a in config["applications"]} == APPS
-    assert config["grpc_options"]["grpc_servicer_functions"] == SERVICERS
+    assert config["proxy_location"] == "Disabled"
+    gateway = next(a["args"] for a in config["applications"] if a["name"] == "gateway")
+    assert gateway["auth"] is not None and gateway["expose_internal"] is False
