@@ -89,7 +89,7 @@ def bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | 
 class _Source:
     role: Role
     path: Path
-    stamp: tuple[int, int, int] = (0, 0, 0)
+    stamp: tuple[int, ...] = ()
     digests: list[bytes] = field(default_factory=list)
 
 
@@ -108,7 +108,7 @@ class TokenStore:
             st = src.path.stat()
         except FileNotFoundError:
             raise ValueError(f"{src.path}: no such token file") from None
-        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        stamp = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_mode)
         if stamp != src.stamp:
             src.digests = [digest(t) for t in read_tokens(src.path)]
             src.stamp = stamp
@@ -119,7 +119,7 @@ class TokenStore:
             try:
                 self._load(src)
             except (OSError, ValueError):
-                src.digests, src.stamp = [], (0, 0, 0)
+                src.digests, src.stamp = [], ()
         self._checked = time.monotonic()
 
     def role_of(self, token: str | None) -> Role | None:
