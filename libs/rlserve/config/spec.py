@@ -114,8 +114,8 @@ class VllmCfg(Section):
 
 class GenerationCfg(Section):
     backend: Literal["vllm", "transformers"] = "vllm"
-    # vLLM's own range is [0, 2].
-    temperature: float = Field(1.0, ge=0, le=2.0)
+    # Engines may take less (vLLM: at most 2; a run asking more fails at its first generation).
+    temperature: float = Field(1.0, ge=0, le=100.0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1, le=1_000_000)
     max_new_tokens: int = Field(16, ge=1, le=MAX_SEQUENCE_LENGTH)
