@@ -18,6 +18,7 @@ from ray import serve
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.clients.credentials import Credentials
+from rlserve.security.certs import self_signed
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import (
     common_pb2,
@@ -33,7 +34,6 @@ from rlserve.v1 import (
 )
 from tests.integration.runs_support import events_until_end, spec
 from tests.support.dist import free_port
-from tests.support.tls import self_signed
 
 PUBLIC = {
     "SubmitRun": pb.SubmitRunRequest(spec_yaml="[1, 2"),

@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.gateway import server
 from rlserve.rpc import not_found
+from rlserve.security.certs import self_signed
 from rlserve.security.tokens import Role, TokenStore, new_token
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.support.dist import free_port
-from tests.support.tls import self_signed
 
 
 def _write(path: Path, *tokens: str) -> None:

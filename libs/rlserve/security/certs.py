@@ -1,4 +1,8 @@
-"""A self-signed certificate for 127.0.0.1, made in the test (the `cryptography` package)."""
+"""A self-signed certificate, for local TLS and for the tests and benchmarks that need one.
+
+A real deployment brings its own certificate (`tls: {cert_file, key_file}` in
+the cluster file); this one lets a single machine try TLS end to end.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ import os
 from pathlib import Path
 
 
-def self_signed(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
-    """(cert.pem, key.pem) valid for `host` and localhost for a day; the key file has mode 0600."""
+def self_signed(folder: Path, host: str = "127.0.0.1", days: int = 1) -> tuple[Path, Path]:
+    """(cert.pem, key.pem) for `host` and localhost, valid for `days`; the key file has mode 0600."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -20,7 +24,7 @@ def self_signed(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host)),
                                                         x509.DNSName("localhost")]), critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
