@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from scripts.bench.common import record, table
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.common import record, table  # noqa: E402
 
 PORT_BASE = 6880
 RUN_ID = "bench-run"

@@ -55,6 +55,7 @@ class Run:
         self.recorder = Recorder(run_dir, spec.logger.tensorboard_enabled)
         self.task: asyncio.Task | None = None
         self.preflight: asyncio.Task | None = None
+        self.preflight_passed = False
 
     # --- events --------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class RunManager:
             self._fail_queued(run, f"preflight: {clean(f'{type(err).__name__}: {err}')}")
         else:
             if run.state == pb.RUN_STATE_QUEUED:
+                run.preflight_passed = True
                 run.emit(pb.EVENT_KIND_INFO, "preflight passed")
         finally:
             self._schedule()
@@ -285,9 +287,8 @@ class RunManager:
     def _schedule(self) -> None:
         """Start queued runs in submission order; the head waits until its preflight passed."""
         while self.queue and self._running() < self.max_concurrent:
-            head = self.runs[self.queue[0]]
-            if head.preflight is not None and not head.preflight.done():
-                return  # its preflight calls _schedule when it ends
+            if not self.runs[self.queue[0]].preflight_passed:
+                return  # its preflight calls _schedule when it ends (and takes it off the queue if it fails)
             run = self.runs[self.queue.pop(0)]
             run.set_state(pb.RUN_STATE_RUNNING)
             run.task = asyncio.get_running_loop().create_task(self._execute(run))
