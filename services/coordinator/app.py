@@ -17,7 +17,7 @@ import asyncio
 import fnmatch
 import logging
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
@@ -26,6 +26,7 @@ from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.logs import setup_logging
 from rlserve.models import resolve_model
+from rlserve.rollout.deployed import match_generation
 from rlserve.rpc import failed_precondition, grpc_method, invalid_argument, permission_denied
 from rlserve.security.paths import PathsArgs
 from rlserve.security.plugins import PluginPolicy
@@ -53,17 +54,26 @@ class CoordinatorArgs(BaseModel):
     apps: dict[str, str] = {"rollout": "rollout", "reward": "reward", "reference": "reference",
                             "learner": "learner"}
     weight_store: str = DEFAULT_STORE_NAME
+    # The rollout and learner services hold one policy at a time: a second run's Configure would
+    # tear down the first run's learner. Runs are queued until they can share the cluster.
     max_concurrent_runs: int = 1
-    watchdog_timeout_s: float = 1200.0
-    call_retries: int = 5
-    call_timeout_s: float = 900.0
+    watchdog_timeout_s: float = Field(1200.0, gt=0)
+    retry: RetryPolicy = RetryPolicy()
     # Time for a run's preflight (it may generate a preset model first).
-    preflight_timeout_s: float = 300.0
+    preflight_timeout_s: float = Field(300.0, gt=0)
     # Largest JSONL data file a spec may name.
-    max_data_file_mb: int = 512
+    max_data_file_mb: int = Field(512, ge=1)
+
+    @field_validator("max_concurrent_runs")
+    @classmethod
+    def _one_run_at_a_time(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"must be 1, got {v}: runs cannot share the rollout and learner services yet "
+                             f"(a second run would reconfigure the first run's learner); they are queued")
+        return v
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)
+@serve.deployment(max_ongoing_requests=64)
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -71,15 +81,15 @@ class Coordinator:
         self.paths = self.args.paths.policy()
         self.plugins = PluginPolicy(self.args.allowed_plugins)
         self.settings = LoopSettings(apps=self.args.apps, weight_store=self.args.weight_store,
-                                     retry=RetryPolicy(retries=self.args.call_retries,
-                                                       timeout_s=self.args.call_timeout_s),
+                                     retry=self.args.retry,
                                      watchdog_timeout_s=self.args.watchdog_timeout_s)
         self.manager = RunManager(self.paths.runs_dir, lambda run: run_grpo(run, self.settings),
                                   self._check, self._preflight, self.args.preflight_timeout_s,
                                   self.args.max_concurrent_runs)
 
     async def _check(self, spec: RunSpec) -> RunSpec:
-        """Cheap checks on the request path; returns the spec with its files as confined absolute paths."""
+        """Cheap checks on the request path; returns the spec with its files as confined absolute paths
+        and the generation settings of the deployed rollout filled in."""
         for i, f in enumerate(spec.reward.functions):
             if f.import_path:
                 self.plugins.check(f"spec_yaml: reward.functions.{i}.import_path", f.import_path)
@@ -101,13 +111,17 @@ class Coordinator:
             if path.stat().st_size > self.args.max_data_file_mb * 2**20:
                 raise invalid_argument(field, f"{value[:200]!r} is larger than {self.args.max_data_file_mb} MB")
             setattr(spec.data, key, str(path))
-        calls = ServiceCalls(self.settings.apps, None, RetryPolicy(retries=1, timeout_s=30), on_retry=lambda m: None)
+        calls = ServiceCalls(self.settings.apps, None, RetryPolicy(retries=1, timeout_s=30),
+                             on_retry=lambda msg: None)
         try:
             info = await calls.rollout_info()
         except ServiceFailure as err:
             raise failed_precondition(f"the rollout service does not answer: {err}") from None
         finally:
             await calls.close()
+        spec, problems = match_generation(spec, info)
+        if problems:
+            raise failed_precondition("; ".join(problems))
         if info.max_model_len < spec.policy.max_total_sequence_length:
             raise failed_precondition(f"policy.max_total_sequence_length {spec.policy.max_total_sequence_length}"
                                       f" exceeds the rollout's max_model_len {info.max_model_len}")
@@ -145,6 +159,7 @@ class Coordinator:
             raise failed_precondition(f"reward.functions or services: {err}") from None
         finally:
             await calls.close()
+        return spec
 
     @grpc_method
     async def SubmitRun(self, request: pb.SubmitRunRequest) -> pb.SubmitRunResponse:
@@ -175,5 +190,3 @@ def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.coordinator.app:build`)."""
     return build_app(Coordinator, CoordinatorArgs, args)
 
-
-app = build({})

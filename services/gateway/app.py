@@ -27,14 +27,14 @@ from rlserve.security.tokens import Role, TokenStore
 log = logging.getLogger("rlserve.gateway")
 
 
-class AuthArgs(BaseModel):
+class TokenFiles(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     token_file: str
     admin_token_file: str
 
 
-class TlsArgs(BaseModel):
+class TlsFiles(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     cert_file: str
@@ -48,8 +48,8 @@ class GatewayArgs(BaseModel):
     port: int = Field(9000, gt=0, lt=65536)
     # None: no authentication (`auth: none` in the cluster file, warned at every start). Required,
     # so there is no module-level default app: an endpoint without a decision on auth is not deployable.
-    auth: AuthArgs | None
-    tls: TlsArgs | None = None
+    auth: TokenFiles | None
+    tls: TlsFiles | None = None
     expose_internal: bool = False
     apps: dict[str, str] = {}
     max_message_mb: int = Field(64, ge=1, le=1024)

@@ -112,7 +112,7 @@ def default_tls_gateway(test_cluster, tmp_path_factory):
     serve.run(build({"host": "127.0.0.1", "port": port, "auth": {"token_file": str(files[0]),
                                                                   "admin_token_file": str(files[1])},
                      "tls": {"cert_file": str(cert), "key_file": str(key)},
-                     "deployment": {"num_cpus": 0.01, "max_surge_percent": 0}}),
+                     "deployment": {"num_replicas": 1, "num_cpus": 0.01, "num_gpus": 0, "max_surge_percent": 0}}),
               name="gateway-tls", route_prefix=None)
     try:
         yield f"127.0.0.1:{port}", cert

@@ -1,12 +1,17 @@
-"""The cluster file (`deploy/cluster.yaml`): where Ray runs and what each service gets."""
+"""The cluster file: where Ray runs and what each service gets.
+
+The embedded default (`default_cluster.yaml` beside this module, shipped as
+package data) is what `deploy/serve` uses when no file is given.
+"""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
 
@@ -15,25 +20,34 @@ class ServiceCfg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.1, ge=0)
+    # None: the service's default (DEFAULT_NUM_CPUS).
+    num_cpus: float | None = Field(None, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     env_vars: dict[str, str] = {}
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 
 
-def _svc(num_cpus: float, **args: Any) -> ServiceCfg:
-    return ServiceCfg(num_cpus=num_cpus, args=args)
+# Logical CPUs per replica: on a 2-core machine, fractional replicas share the cores.
+DEFAULT_NUM_CPUS = {"rollout": 0.5, "reward": 0.1, "reference": 0.25, "learner": 0.1, "coordinator": 0.1}
 
 
 class ServicesCfg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rollout: ServiceCfg = _svc(0.5)
-    reward: ServiceCfg = _svc(0.1)
-    reference: ServiceCfg = _svc(0.25)
-    learner: ServiceCfg = _svc(0.1)
-    coordinator: ServiceCfg = _svc(0.1)
+    rollout: ServiceCfg = ServiceCfg()
+    reward: ServiceCfg = ServiceCfg()
+    reference: ServiceCfg = ServiceCfg()
+    learner: ServiceCfg = ServiceCfg()
+    coordinator: ServiceCfg = ServiceCfg()
+
+    @model_validator(mode="after")
+    def _default_cpus(self) -> ServicesCfg:
+        for name, cpus in DEFAULT_NUM_CPUS.items():
+            svc = getattr(self, name)
+            if svc.num_cpus is None:
+                setattr(self, name, svc.model_copy(update={"num_cpus": cpus}))
+        return self
 
 
 class AuthCfg(BaseModel):
@@ -85,13 +99,15 @@ class ClusterFile(BaseModel):
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int = Field(1024, ge=78)
-    # Where runs, cluster state and logs go (relative paths: to the cluster file).
-    runs_dir: str = "../runs"
+    # Where runs, cluster state and logs go. None: ./runs in the working directory;
+    # relative paths: to the cluster file.
+    runs_dir: str | None = None
     # Folders whose HF models a request may name (policy.model_name, a reference model_path, rollout
     # safetensors_path); generated presets and the runs directory are always allowed.
-    model_dirs: list[str] = ["../models"]
-    # Folders a spec's data.train_path / data.val_path may read.
-    data_dirs: list[str] = ["../data"]
+    # None: ./models in the working directory.
+    model_dirs: list[str] | None = None
+    # Folders a spec's data.train_path / data.val_path may read. None: ./data in the working directory.
+    data_dirs: list[str] | None = None
     # "none" turns authentication off (warned at every start); TLS is off unless configured.
     auth: AuthCfg | Literal["none"] = AuthCfg()
     tls: TlsCfg | None = None
@@ -113,7 +129,8 @@ class ClusterFile(BaseModel):
         return p if p.is_absolute() else (base / p).resolve()
 
     def with_absolute_paths(self, base: Path) -> ClusterFile:
-        """Every path of the file made absolute, relative ones taken from `base` (the file's folder)."""
+        """Every path of the file made absolute: relative ones from `base` (the file's folder), unset
+        directories in the working directory."""
         def fix(p: str | None) -> str | None:
             return None if p is None else str(self.resolve(p, base))
 
@@ -121,9 +138,11 @@ class ClusterFile(BaseModel):
             target, sep, attr = entry.partition(":")
             return f"{fix(target)}{sep}{attr}" if target.endswith(".py") else entry
 
+        cwd = Path.cwd()
         update: dict[str, Any] = {
-            "runs_dir": fix(self.runs_dir), "model_dirs": [fix(p) for p in self.model_dirs],
-            "data_dirs": [fix(p) for p in self.data_dirs],
+            "runs_dir": fix(self.runs_dir) if self.runs_dir is not None else str(cwd / "runs"),
+            "model_dirs": [fix(p) for p in self.model_dirs] if self.model_dirs is not None else [str(cwd / "models")],
+            "data_dirs": [fix(p) for p in self.data_dirs] if self.data_dirs is not None else [str(cwd / "data")],
             "reward": self.reward.model_copy(
                 update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
         if isinstance(self.auth, AuthCfg):
@@ -148,3 +167,8 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
         raise SpecError(format_validation_error(err, ClusterFile)) from None
     cfg = cfg.with_absolute_paths(path.parent.resolve())
     return cfg, Path(cfg.runs_dir)
+
+
+def default_cluster_file() -> Path:
+    """The embedded default cluster file (package data, so it is found in any kind of install)."""
+    return Path(str(resources.files("rlserve.cluster").joinpath("default_cluster.yaml")))

@@ -27,6 +27,8 @@ APPS = {
 }
 # Services whose requests name files: they get the cluster's directories.
 _WITH_PATHS = ("reference", "rollout", "learner", "coordinator")
+# The gateway forwards calls; it needs little CPU.
+GATEWAY_NUM_CPUS = 0.05
 
 
 def state_dir(runs_dir: Path) -> Path:
@@ -65,8 +67,8 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
     if name == "gateway":
         args.update(_gateway(cfg, runs_dir))
         # One replica on the head node: it binds the endpoint's port, and stops before a new one starts.
-        args["deployment"] = {"num_replicas": 1, "num_cpus": 0.05, "max_surge_percent": 0,
-                              "resources": {"node:__internal_head__": 0.001}}
+        args["deployment"] = {"num_replicas": 1, "num_cpus": GATEWAY_NUM_CPUS, "num_gpus": 0.0,
+                              "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001}}
     else:
         args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
                               "env_vars": svc.env_vars}
