@@ -147,7 +147,8 @@ class Rollout:
             raise invalid_argument("source", "give store_name or safetensors_path")
         async with self.lock:
             if source == "safetensors_path":
-                await self.weights.publish_folder(self.paths.model("safetensors_path", request.safetensors_path), request.version, request.force)
+                folder = self.paths.model("safetensors_path", request.safetensors_path)
+                await self.weights.publish_folder(folder, request.version, request.force)
             elif request.store_name != self.args.weight_store:
                 raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
             applied = await self.weights.update_to(request.version)

@@ -54,6 +54,3 @@ def all_methods(apps: dict[str, str] | None = None) -> list[RpcMethod]:
                                  message_factory.GetMessageClass(m.output_type), m.server_streaming, public))
     return out
 
-
-def public_rpcs() -> list[str]:
-    return [m.path for m in all_methods() if m.public]
