@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -82,6 +83,16 @@ def test_each_public_rpc_needs_a_valid_token(test_cluster, plain, name):
         assert code == grpc.StatusCode.UNAUTHENTICATED, (token, details)
     for token in (test_cluster.token(), test_cluster.token(admin=True)):
         assert call(plain, name, request, token)[0] == ANSWER[name]
+
+
+def test_up_made_private_token_files_that_deploy_serve_token_names(test_cluster):
+    user, admin = test_cluster.cluster.token_files
+    assert stat.S_IMODE(user.stat().st_mode) == stat.S_IMODE(admin.stat().st_mode) == 0o600
+    serve_cli = str(Path(__file__).resolve().parents[2] / "deploy" / "serve")
+    for extra, want in (([], user), (["--admin"], admin)):
+        out = subprocess.run([serve_cli, "token", str(test_cluster.cluster_file), *extra], capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.strip() == str(want), out.stderr
 
 
 def test_internal_services_are_admin_only_when_exposed(test_cluster, plain):
