@@ -301,7 +301,7 @@ class RunManager:
             run.set_state(pb.RUN_STATE_CANCELLED, "cancelled")
         except Exception as err:  # noqa: BLE001 - a run's failure is its state, never the coordinator's
             log.exception("run %s failed", run.run_id)
-            message = str(err) or type(err).__name__
+            message = clean(str(err)) or type(err).__name__  # no colour codes or tracebacks
             run.emit(pb.EVENT_KIND_ERROR, message)
             run.set_state(pb.RUN_STATE_FAILED, message)
         finally:
