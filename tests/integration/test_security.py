@@ -78,7 +78,8 @@ def plain(test_cluster):
 @pytest.mark.parametrize("name", list(PUBLIC))
 def test_each_public_rpc_needs_a_valid_token(test_cluster, plain, name):
     request = PUBLIC[name]
-    for token in (None, "x" * 43, test_cluster.token()[:-1] + "A"):
+    valid = test_cluster.token()
+    for token in (None, "x" * 43, valid[:-1] + ("B" if valid.endswith("A") else "A")):
         code, details = call(plain, name, request, token)
         assert code == grpc.StatusCode.UNAUTHENTICATED, (token, details)
     for token in (test_cluster.token(), test_cluster.token(admin=True)):

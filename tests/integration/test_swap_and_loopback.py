@@ -52,7 +52,7 @@ def test_nothing_listens_beyond_loopback(test_cluster):
     ours = {p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid} | {os.getpid()}
     listeners = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
     assert len(listeners) > 5, "expected Ray, Serve and replica listeners"
-    wide = [(c.laddr, psutil.Process(c.pid).name()) for c in listeners
+    wide = [(c.laddr, " ".join(psutil.Process(c.pid).cmdline())[:300]) for c in listeners
             if c.laddr.ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
     assert not wide, f"listening beyond loopback: {wide}"
 
