@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from rlserve.rpc import RpcError
+from rlserve.rpc import status_of
 from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2
 
 T = TypeVar("T")
@@ -38,19 +38,6 @@ class ServiceFailure(Exception):
 
 class RunStateLost(ServiceFailure):
     """A service no longer holds the run's state (ABORTED); the run continues only from a checkpoint."""
-
-
-def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(err, RpcError):
-        return err.code, err.message
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, RpcError):
-        return cause.code, cause.message
-    if isinstance(err, grpc.aio.AioRpcError):
-        return err.code(), err.details() or ""
-    if isinstance(err, asyncio.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "timed out"
-    return grpc.StatusCode.UNAVAILABLE, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
 class RetryPolicy(BaseModel):
@@ -106,7 +93,8 @@ class ServiceCalls:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below
-                code, message = status_of(err)
+                status = status_of(err)
+                code, message = status.code, status.message
                 if code == grpc.StatusCode.ABORTED:
                     raise RunStateLost(f"{what}: {code.name}: {message}") from None
                 if code in _FINAL:

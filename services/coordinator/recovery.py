@@ -15,6 +15,7 @@ this off (the run then fails, and `rlserve submit --resume` continues it).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -52,7 +53,8 @@ async def run_grpo(run: Run, settings: LoopSettings) -> None:
     since: float | None = None
     try:
         while True:
-            ctx = Context(run, calls, settings)
+            # Off the event loop: building the data set takes a while, and the coordinator keeps answering.
+            ctx = await asyncio.to_thread(Context, run, calls, settings)
             ctx.recovering_since = since
             try:
                 await attempt(ctx, reason)

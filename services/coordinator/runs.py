@@ -9,6 +9,12 @@ resumes from its last checkpoint by itself (`checkpointing.auto_resume`,
 unless the cluster file sets the coordinator's `resume_on_restart: false`,
 in which case it is marked FAILED with the command that resumes it).
 
+A submitted run is QUEUED at once; its preflight (checks that need the model
+or the data) runs beside the queue, and a run starts only after its
+preflight passed. Run ids name folders in the runs directory, so a new id
+and a resumed one are checked alike; a run that SUCCEEDED or was CANCELLED
+is resumed only to extend it (a larger `grpo.max_num_steps`).
+
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
 A run that ends has a balanced ledger: what was in flight when it failed or
 was cancelled is dropped with reason `failed` or `cancelled`.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,13 +33,15 @@ from pathlib import Path
 
 from rlserve.config import RunSpec, SpecError, load_spec, spec_to_yaml
 from rlserve.logs import event
-from rlserve.rpc import already_exists, failed_precondition, invalid_argument, not_found
+from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
 from rlserve.v1 import coordinator_pb2 as pb
 from services.coordinator.ledger import Ledger
 from services.coordinator.recorder import Recorder
 
 log = logging.getLogger("rlserve.coordinator")
 TERMINAL = {pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
+# A run id is a folder name inside the runs directory: no separators, no '..', not hidden.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _STATE_NAMES = {v: pb.RunState.Name(v).removeprefix("RUN_STATE_").lower() for v in pb.RunState.values()}
 _STATES = {name: value for value, name in _STATE_NAMES.items()}
 _KIND_NAMES = {v: pb.EventKind.Name(v).removeprefix("EVENT_KIND_").lower() for v in pb.EventKind.values()}
@@ -58,6 +67,8 @@ class Run:
         # Non-empty: the next start continues from the last checkpoint, and this says why.
         self.resume_reason = ""
         self.cancel_requested = False
+        self.preflight: asyncio.Task | None = None
+        self.preflight_passed = False
 
     # --- events --------------------------------------------------------------
 
@@ -152,12 +163,23 @@ class Run:
 RunBody = Callable[[Run], Awaitable[None]]
 
 
+def check_run_id(run_id: str) -> None:
+    if not _RUN_ID.fullmatch(run_id):
+        shown = run_id if len(run_id) <= 80 else run_id[:80] + "..."
+        raise invalid_argument("run_id", f"{shown!r}: 1-128 letters, digits, '-', '_' or '.', starting with a "
+                                         f"letter or digit")
+
+
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, check: Callable[[RunSpec], Awaitable[RunSpec]],
+                 preflight: Callable[[RunSpec], Awaitable[None]], preflight_timeout_s: float,
                  max_concurrent_runs: int = 1, resume_on_restart: bool = True):
+        """`check` runs in the request (cheap; returns the spec with confined paths); `preflight` after it."""
         self.runs_dir = runs_dir
         self.body = body
         self.check = check
+        self.preflight = preflight
+        self.preflight_timeout_s = preflight_timeout_s
         self.max_concurrent = max_concurrent_runs
         self.resume_on_restart = resume_on_restart
         self.runs: dict[str, Run] = {}
@@ -171,7 +193,8 @@ class RunManager:
         for path in sorted(self.runs_dir.glob("*/run.json")):
             try:
                 run = Run.from_disk(path.parent)
-            except (KeyError, ValueError, SpecError, OSError) as err:
+                run.to_proto()  # a run whose record does not fit the API is skipped, not every ListRuns
+            except (KeyError, TypeError, ValueError, SpecError, OSError) as err:
                 log.warning("skipping run directory %s: %s", path.parent, err)
                 continue
             self.runs[run.run_id] = run
@@ -185,6 +208,7 @@ class RunManager:
             elif self.resume_on_restart and run.spec.checkpointing.auto_resume:
                 run.resume_reason = f"the coordinator restarted while the run was {was}"
                 run.emit(pb.EVENT_KIND_INFO, f"{run.resume_reason}; it continues from its last checkpoint")
+                run.preflight_passed = True  # it passed when it was submitted
                 self.queue.append(run.run_id)
             else:
                 why = ("checkpointing.auto_resume is off" if self.resume_on_restart
@@ -200,38 +224,99 @@ class RunManager:
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
 
+    async def _resumed_spec(self, run_id: str, spec_yaml: str) -> RunSpec:
+        """The stored spec; with `spec_yaml`, that spec, which may differ only in grpo.max_num_steps.
+
+        A run that SUCCEEDED or was CANCELLED is resumed only when the request asks to extend it: a spec
+        whose grpo.max_num_steps is larger than the steps it did.
+        """
+        run_dir = self.runs_dir / run_id
+        if not (run_dir / "spec.yaml").is_file():
+            raise not_found(f"run {run_id!r} has no run directory in {self.runs_dir}")
+        earlier = self.runs.get(run_id)
+        if earlier is not None and earlier.state not in TERMINAL:
+            raise failed_precondition(f"run {run_id!r} is {_STATE_NAMES[earlier.state]}")
+        stored = await self.check(self._load_spec((run_dir / "spec.yaml").read_text()))
+        spec = stored
+        if spec_yaml.strip():
+            spec = await self.check(self._load_spec(spec_yaml))
+            mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
+            mine["grpo"].pop("max_num_steps")
+            theirs["grpo"].pop("max_num_steps")
+            if mine != theirs:
+                raise invalid_argument("spec_yaml", "when resuming, only grpo.max_num_steps may change")
+        if earlier is not None and earlier.state in (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_CANCELLED) and (
+                not spec_yaml.strip() or spec.grpo.max_num_steps <= earlier.step):
+            raise failed_precondition(
+                f"run {run_id!r} {_STATE_NAMES[earlier.state]} at step {earlier.step}; to continue it, resume "
+                f"with a spec whose grpo.max_num_steps is larger than {earlier.step}")
+        return spec
+
     async def submit(self, spec_yaml: str, run_id: str, resume: bool) -> Run:
+        if resume and not run_id:
+            raise invalid_argument("run_id", "required with resume")
+        if run_id:
+            check_run_id(run_id)
         if resume:
-            if not run_id:
-                raise invalid_argument("run_id", "required with resume")
-            run_dir = self.runs_dir / run_id
-            if not (run_dir / "spec.yaml").is_file():
-                raise not_found(f"run {run_id!r} has no run directory in {self.runs_dir}")
-            if run_id in self.runs and self.runs[run_id].state not in TERMINAL:
-                raise failed_precondition(f"run {run_id!r} is {_STATE_NAMES[self.runs[run_id].state]}")
-            spec = self._load_spec((run_dir / "spec.yaml").read_text())
+            spec = await self._resumed_spec(run_id, spec_yaml)
         else:
             spec = self._load_spec(spec_yaml)
             if run_id and (run_id in self.runs or (self.runs_dir / run_id).exists()):
                 raise already_exists(f"run {run_id!r} exists")
-            if run_id and not all(c.isalnum() or c in "-_." for c in run_id):
-                raise invalid_argument("run_id", "letters, digits, '-', '_' and '.' only")
             run_id = run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-            run_dir = self.runs_dir / run_id
-        spec = await self.check(spec)
+            # Files confined to the cluster's directories, plug-ins and reward servers allow-listed.
+            spec = await self.check(spec)
+        run_dir = self.runs_dir / run_id
         # A resumed run keeps its history (events, ledger, step) until its checkpoint is restored.
         run = self.runs.get(run_id) if resume else None
         run = run or Run(run_id, spec, run_dir)
         run.spec = spec
+        run.preflight_passed = False
         if resume:
             run.resume_reason = "resumed by SubmitRun"
-        else:
-            (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
         self.runs[run_id] = run
         self.queue.append(run_id)
         run.set_state(pb.RUN_STATE_QUEUED)
-        self._schedule()
+        run.preflight = asyncio.get_running_loop().create_task(self._preflight(run))
         return run
+
+    async def _preflight(self, run: Run) -> None:
+        run.emit(pb.EVENT_KIND_INFO, "preflight: checking the model, the data and the reward functions")
+        try:
+            await asyncio.wait_for(self.preflight(run.spec), self.preflight_timeout_s)
+        except asyncio.TimeoutError:
+            self._fail_queued(run, f"preflight: not done within {self.preflight_timeout_s:.0f}s (model, data set "
+                                   f"or a service too slow)")
+        except RpcError as err:
+            self._fail_queued(run, f"preflight: {err.code.name}: {err.message}")
+        except Exception as err:  # noqa: BLE001 - a preflight failure is the run's, never the coordinator's
+            log.exception("preflight of run %s failed", run.run_id)
+            self._fail_queued(run, f"preflight: {clean(f'{type(err).__name__}: {err}')}")
+        else:
+            if run.state == pb.RUN_STATE_QUEUED:
+                run.preflight_passed = True
+                run.emit(pb.EVENT_KIND_INFO, "preflight passed")
+        finally:
+            self._schedule()
+
+    def _fail_queued(self, run: Run, message: str) -> None:
+        if run.state != pb.RUN_STATE_QUEUED:
+            return  # cancelled meanwhile
+        if run.run_id in self.queue:
+            self.queue.remove(run.run_id)
+        run.emit(pb.EVENT_KIND_ERROR, message)
+        run.end(pb.RUN_STATE_FAILED, message, reason="failed")
+        run.recorder.close()
+
+    def list_protos(self) -> list[pb.Run]:
+        protos = []
+        for run in self.runs.values():
+            try:
+                protos.append(run.to_proto())
+            except (ValueError, TypeError) as err:  # one bad record must not hide the others
+                log.warning("run %s cannot be listed: %s", run.run_id, err)
+        return protos
 
     def get(self, run_id: str) -> Run:
         run = self.runs.get(run_id)
@@ -246,6 +331,8 @@ class RunManager:
             return run
         if run_id in self.queue:
             self.queue.remove(run_id)
+            if run.preflight is not None:
+                run.preflight.cancel()
             run.end(pb.RUN_STATE_CANCELLED, "by CancelRun before it started", reason="cancelled")
         elif run.task is not None:
             run.cancel_requested = True
@@ -265,7 +352,10 @@ class RunManager:
         return sum(1 for r in self.runs.values() if r.task is not None and not r.task.done() and r.state not in TERMINAL)
 
     def _schedule(self) -> None:
+        """Start queued runs in submission order; the head waits until its preflight passed."""
         while self.queue and self._active() < self.max_concurrent and not self.closing:
+            if not self.runs[self.queue[0]].preflight_passed:
+                return  # its preflight calls _schedule when it ends (and takes it off the queue if it fails)
             run = self.runs[self.queue.pop(0)]
             run.cancel_requested = False
             run.set_state(pb.RUN_STATE_RUNNING)
@@ -283,7 +373,7 @@ class RunManager:
             run.end(pb.RUN_STATE_CANCELLED, f"by CancelRun at step {run.step}", reason="cancelled")
         except Exception as err:  # noqa: BLE001 - a run's failure is its state, never the coordinator's
             log.exception("run %s failed", run.run_id)
-            message = str(err) or type(err).__name__
+            message = clean(str(err)) or type(err).__name__  # no colour codes or tracebacks
             run.emit(pb.EVENT_KIND_ERROR, message)
             run.end(pb.RUN_STATE_FAILED, message, reason="failed")
         run.recorder.close()

@@ -3,12 +3,16 @@
 `test_cluster` is ONE cluster shared by the session (`cluster.yaml`); tests that stop a cluster or lose a
 node bring up one of their own with `running_cluster` (other ports, its own runs directory), so they
 neither disturb the shared one nor depend on test order. Each is brought up with the same code as
-`deploy/serve up` (a Ray head bound to loopback, extra nodes if the file has any, Serve's gRPC proxy, the
-five applications) and torn down at the end.
+`deploy/serve up` (a Ray head bound to loopback, extra nodes if the file has any, the authenticating
+gateway, the services) and torn down at the end. Authentication is on, with the token files `up`
+creates; the clusters expose the internal services to the admin token, which the `channel` fixture
+carries (tests of the services call them directly). `CoordinatorClient` finds the user token the way
+`rlserve` does, from the record `up` wrote.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,19 +27,50 @@ import yaml
 HERE = Path(__file__).parent
 
 
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to every call of a channel."""
+
+    class _Details(collections.namedtuple("_Details", ["method", "timeout", "metadata", "credentials",
+                                                       "wait_for_ready", "compression"]),
+                   grpc.ClientCallDetails):
+        pass
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {self.token}")]
+        return self._Details(details.method, details.timeout, metadata, details.credentials,
+                             details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+
 @dataclass
 class TestCluster:
     cluster: object
     endpoint: str
     runs_dir: Path
     cluster_file: Path
+    # Inside the cluster file's model_dirs and data_dirs: where tests put models and data they name.
+    models_dir: Path
+    data_dir: Path
+    # An allow-listed reward plug-in file: it raises for the completion '9' and scores 0.5 otherwise.
+    plugin: str
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.endpoint)
+    def token(self, admin: bool = False) -> str:
+        from rlserve.security.tokens import read_tokens
 
+        return read_tokens(self.cluster.token_files[1 if admin else 0])[0]
 
-def metadata(app: str) -> tuple[tuple[str, str], ...]:
-    return (("application", app),)
+    def channel(self, token: str | None = None) -> grpc.Channel:
+        """A channel to the endpoint that sends `token` with every call (none: no token)."""
+        channel = grpc.insecure_channel(self.endpoint)
+        return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
 def listeners_of(pid_file: Path, include_this_process: bool = False) -> list:
@@ -65,7 +100,15 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     from rlserve.cluster.lifecycle import Cluster, down, up
 
     data = yaml.safe_load(cluster_yaml.read_text())
-    data["runs_dir"] = str(root / "runs")
+    data.update({"runs_dir": str(root / "runs"), "model_dirs": [str(root / "models")],
+                 "data_dirs": [str(root / "data")]})
+    (root / "models").mkdir()
+    (root / "data").mkdir()
+    plugin = root / "plugins" / "flaky.py"
+    plugin.parent.mkdir()
+    plugin.write_text("def reward(item):\n    if item.completion == '9':\n        raise KeyError('oops')\n"
+                      "    return 0.5\n")
+    data.setdefault("reward", {}).setdefault("allowed_plugins", []).append(f"{plugin}:reward")
     cluster_file = root / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(data))
     cfg, runs_dir = load_cluster_file(cluster_file)
@@ -73,7 +116,8 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     down(cluster)  # a leftover from an interrupted session
     up(cluster)
     try:
-        yield TestCluster(cluster, cluster.grpc_endpoint, runs_dir, cluster_file)
+        yield TestCluster(cluster, cluster.grpc_endpoint, runs_dir, cluster_file, root / "models", root / "data",
+                          f"{plugin}:reward")
     finally:
         down(cluster)
 
@@ -96,6 +140,7 @@ def ray_driver(test_cluster) -> TestCluster:
 
 @pytest.fixture(scope="session")
 def channel(test_cluster) -> grpc.Channel:
-    ch = test_cluster.channel()
+    """A channel with the admin token: it reaches the internal services (the test cluster exposes them)."""
+    ch = test_cluster.channel(test_cluster.token(admin=True))
     yield ch
     ch.close()

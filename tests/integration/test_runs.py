@@ -92,12 +92,12 @@ def test_cancel_stops_a_run_and_the_services_stay_usable(client):
 
 @pytest.mark.parametrize("text, code, field", [
     (spec(grpo__num_prompts_per_stpe=3), grpc.StatusCode.INVALID_ARGUMENT, "grpo.num_prompts_per_stpe"),
-    (spec(policy__model_name="/no/such/model"), grpc.StatusCode.INVALID_ARGUMENT, "policy.model_name"),
-    (spec(policy__model_name="preset:small"), grpc.StatusCode.FAILED_PRECONDITION, "policy.model_name"),
+    (spec(policy__model_name="no-such-model"), grpc.StatusCode.INVALID_ARGUMENT, "policy.model_name"),
+    (spec(policy__model_name="/no/such/model"), grpc.StatusCode.PERMISSION_DENIED, "policy.model_name"),
     (spec(policy__max_total_sequence_length=200), grpc.StatusCode.FAILED_PRECONDITION,
      "policy.max_total_sequence_length"),
-    (spec(reward__functions=[{"name": "x", "import_path": "no_such_mod:f"}]), grpc.StatusCode.FAILED_PRECONDITION,
-     "reward.functions"),
+    (spec(reward__functions=[{"name": "x", "import_path": "no_such_mod:f"}]), grpc.StatusCode.PERMISSION_DENIED,
+     "reward.functions.0.import_path"),
     ("[1, 2", grpc.StatusCode.INVALID_ARGUMENT, "spec_yaml"),
     # The engine is deployed with the cluster: a run may state it, not change it.
     (spec(policy__generation__backend="transformers"), grpc.StatusCode.FAILED_PRECONDITION,
@@ -112,6 +112,19 @@ def test_bad_specs_are_refused_naming_the_field(client, text, code, field):
         client.submit(text)
     assert err.value.code() == code
     assert field in err.value.details()
+
+
+def test_a_run_that_cannot_work_fails_in_its_preflight(client):
+    """A model of another architecture than the rollout serves: SubmitRun queues it at once (no model is
+    built in the request handler), the preflight fails it naming the field, and the next run still runs."""
+    run = client.submit(spec(policy__model_name="preset:small"))
+    assert run.state == pb.RUN_STATE_QUEUED
+    events = events_until_end(client, run.run_id)
+    final = client.get(run.run_id)
+    assert final.state == pb.RUN_STATE_FAILED and final.step == 0
+    assert final.error.startswith("preflight:") and "policy.model_name" in final.error
+    assert any(ev.kind == pb.EVENT_KIND_ERROR for ev in events)
+    assert not any(ev.kind == pb.EVENT_KIND_STEP for ev in events)
 
 
 def test_unknown_runs_are_not_found(client):

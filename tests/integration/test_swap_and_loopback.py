@@ -11,7 +11,7 @@ import psutil
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import reward_pb2, reward_pb2_grpc
-from tests.integration.conftest import is_loopback, listeners_of, metadata
+from tests.integration.conftest import is_loopback, listeners_of
 from tests.integration.runs_support import assert_records_agree, events_until_end, spec, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def swap(test_cluster, target: str) -> subprocess.CompletedProcess:
 
 def reward_version(channel) -> str:
     stub = reward_pb2_grpc.RewardStub(channel)
-    return stub.Score(reward_pb2.ScoreRequest(), metadata=metadata("reward"), timeout=30).reward_version
+    return stub.Score(reward_pb2.ScoreRequest(), timeout=30).reward_version
 
 
 def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
@@ -58,5 +58,6 @@ def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
 def test_nothing_listens_beyond_loopback(test_cluster):
     listeners = listeners_of(test_cluster.cluster.state_dir / "head.pid", include_this_process=True)
     assert len(listeners) > 5, "expected Ray, Serve and replica listeners"
-    wide = [(c.laddr, psutil.Process(c.pid).name()) for c in listeners if not is_loopback(c.laddr.ip)]
+    wide = [(c.laddr, " ".join(psutil.Process(c.pid).cmdline())[:300]) for c in listeners
+            if not is_loopback(c.laddr.ip)]
     assert not wide, f"listening beyond loopback: {wide}"

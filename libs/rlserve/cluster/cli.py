@@ -1,4 +1,4 @@
-"""`deploy/serve`: up, down, status and swap for an rlserve cluster."""
+"""`deploy/serve`: up, down, status, token and swap for an rlserve cluster."""
 
 from __future__ import annotations
 
@@ -27,9 +27,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster)
     print(f"serve: starting {cluster.cfg.name} ({'local head on ' + cluster.cfg.host if not cluster.cfg.address else 'at ' + cluster.cfg.address})", flush=True)
     up(cluster)
-    print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint} "
-          f"(application metadata: coordinator, rollout, reward, reference, learner)")
+    tls = " with TLS" if cluster.cfg.tls else ""
+    print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint}{tls}")
+    if cluster.token_files is not None:
+        print(f"serve: bearer token in {cluster.token_files[0]} (`rlserve` finds it; "
+              f"`deploy/serve token` shows this path again)")
     print(f"serve: runs in {cluster.runs_dir}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    cluster = _cluster(args.cluster)
+    if cluster.token_files is None:
+        print("serve: `auth: none` in this cluster file: the endpoint takes no token", file=sys.stderr)
+        return 1
+    path = cluster.token_files[1 if args.admin else 0]
+    if not path.is_file():
+        print(f"serve: {path} does not exist yet; `deploy/serve up` creates it", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -89,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("cluster", type=Path, nargs="?", help="cluster file (default: the embedded one)")
         p.set_defaults(func=fn)
+    p = sub.add_parser("token", help="print the path of the cluster's token file")
+    p.add_argument("cluster", type=Path, nargs="?", help="cluster file (default: the embedded one)")
+    p.add_argument("--admin", action="store_true", help="the admin token file (internal services) instead")
+    p.set_defaults(func=cmd_token)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
     p.add_argument("service")
     p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`), or "

@@ -20,7 +20,8 @@ class DeploymentArgs(BaseModel):
     num_cpus: float = Field(ge=0)
     num_gpus: float = Field(ge=0)
     env_vars: dict[str, str] = {}
-    # Custom Ray resources per replica (places replicas on the nodes that offer them).
+    # Custom Ray resources per replica (places replicas on the nodes that offer them; the gateway asks
+    # for the head node's).
     resources: dict[str, float] = {}
     # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
     max_surge_percent: int = Field(100, ge=0, le=100)

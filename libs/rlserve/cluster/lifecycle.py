@@ -24,7 +24,7 @@ import yaml
 
 from rlserve.cluster.config import ClusterFile
 from rlserve.cluster.loopback import BIND_HOST_ENV
-from rlserve.cluster.serve_config import APPS, app_args, args_version, serve_config
+from rlserve.cluster.serve_config import APPS, app_args, args_version, serve_config, state_dir, token_files
 
 SETUP_HOOK = "rlserve.cluster.loopback.bind_loopback"
 
@@ -36,7 +36,18 @@ class Cluster:
 
     @property
     def state_dir(self) -> Path:
-        return self.runs_dir / ".cluster"
+        return state_dir(self.runs_dir)
+
+    @property
+    def token_files(self) -> tuple[Path, Path] | None:
+        """(user, admin) token files; None with `auth: none`."""
+        return token_files(self.cfg, self.runs_dir)
+
+    @property
+    def ca_file(self) -> Path | None:
+        """What a client trusts for this endpoint (TLS only)."""
+        tls = self.cfg.tls
+        return None if tls is None else Path(tls.ca_file or tls.cert_file)
 
     @property
     def address(self) -> str:
@@ -186,8 +197,29 @@ def connect(cluster: Cluster) -> None:
 def _serve_start(cluster: Cluster, config: dict[str, Any]) -> None:
     from ray import serve
 
-    serve.start(proxy_location=config["proxy_location"], http_options=config["http_options"],
-                grpc_options=config["grpc_options"])
+    serve.start(proxy_location=config["proxy_location"])
+
+
+def prepare_auth(cluster: Cluster) -> list[str]:
+    """Create missing token files (mode 0600) and record the endpoint's credentials for clients.
+
+    Returns lines for the operator: which files were created, or the warning that auth is off.
+    """
+    from rlserve.clients.credentials import write_record
+    from rlserve.security.tokens import ensure_token_file
+
+    files = cluster.token_files
+    notes = []
+    if files is None:
+        notes.append("WARNING: `auth: none` in the cluster file: anyone who can reach "
+                     f"{cluster.grpc_endpoint} can submit runs" + (" and call the internal services"
+                                                                  if cluster.cfg.expose_internal else ""))
+    else:
+        for path in files:
+            if ensure_token_file(path):
+                notes.append(f"created token file {path} (mode 0600)")
+    write_record(cluster.grpc_endpoint, files[0] if files else None, cluster.ca_file)
+    return notes
 
 
 def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = None, timeout_s: float = 600) -> None:
@@ -197,8 +229,8 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
     from ray.serve import RunTarget
 
     apps = [a for a in config["applications"] if only is None or a["name"] in only]
-    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"], route_prefix=a["route_prefix"])
-               for a in apps]
+    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"],
+                         route_prefix=a["route_prefix"]) for a in apps]
     serve.run_many(targets, wait_for_applications_running=False)
     names = [a["name"] for a in apps]
 
@@ -216,7 +248,9 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
 def up(cluster: Cluster) -> dict[str, Any]:
     """Start what is not running (the head, extra nodes) and deploy every application; safe to repeat."""
     config = serve_config(cluster.cfg, cluster.runs_dir)
-    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    cluster.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for note in prepare_auth(cluster):
+        print(f"serve: {note}", file=sys.stderr, flush=True)
     if not cluster.cfg.address:
         start_head(cluster)
     for index in range(len(cluster.cfg.nodes)):

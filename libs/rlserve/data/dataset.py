@@ -16,8 +16,13 @@ class Splits:
     val: list[Example]
 
 
-def build_splits(cfg: DataCfg) -> Splits:
-    """Validation prompts first, then training prompts that never repeat a validation prompt."""
+def build_splits(cfg: DataCfg, max_train: int | None = None) -> Splits:
+    """Validation prompts first, then training prompts that never repeat a validation prompt.
+
+    `max_train` builds only that many generated training examples (the first ones the full build
+    would give), for checks that need a sample and must stay cheap; data files are read whole
+    (their size is bounded where the spec names them).
+    """
     if cfg.task in FILE_TASKS:
         train = load_examples(cfg.train_path, cfg)
         if cfg.val_path:
@@ -37,7 +42,8 @@ def build_splits(cfg: DataCfg) -> Splits:
         attempts += 1
     train: list[Example] = []
     attempts = 0
-    while len(train) < cfg.num_train and attempts < 50 * cfg.num_train:
+    wanted = cfg.num_train if max_train is None else min(cfg.num_train, max_train)
+    while len(train) < wanted and attempts < 50 * wanted:
         ex = task.example(rng)
         if ex.prompt not in val:
             train.append(ex)

@@ -8,6 +8,8 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+import regex
+
 from rlserve.rewards.interfaces import RewardFunction, RewardInput, RewardOutput
 from rlserve.rewards.math_answers import MathVerify
 
@@ -32,15 +34,26 @@ class ExactMatch(RewardFunction):
 
 
 class FormatReward(RewardFunction):
-    """1 when the completion matches a regular expression (full match after stripping)."""
+    """1 when the completion matches a regular expression (full match after stripping).
+
+    The pattern comes from a request, so it is matched with a time limit (the `regex` package):
+    a pattern that backtracks catastrophically makes that item an error instead of a hung replica.
+    """
 
     name = "format"
+    max_pattern_chars = 1000
+    timeout_s = 0.5
 
     def __init__(self, pattern: str = r"\d+"):
-        self.pattern = re.compile(pattern)
+        if len(pattern) > self.max_pattern_chars:
+            raise ValueError(f"pattern: longer than {self.max_pattern_chars} characters")
+        try:
+            self.pattern = regex.compile(pattern)
+        except regex.error as err:
+            raise ValueError(f"pattern: not a regular expression: {err}") from None
 
     def __call__(self, item: RewardInput) -> RewardOutput:
-        return RewardOutput(float(bool(self.pattern.fullmatch(item.completion.strip()))))
+        return RewardOutput(float(bool(self.pattern.fullmatch(item.completion.strip(), timeout=self.timeout_s))))
 
 
 class LengthPenalty(RewardFunction):

@@ -13,7 +13,14 @@ from pathlib import Path
 
 import torch
 
-from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
+from rlserve.rollout.interfaces import (
+    EngineConfig,
+    EngineInfo,
+    GeneratedSample,
+    InvalidRequest,
+    RolloutEngine,
+    SamplingSpec,
+)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -57,6 +64,14 @@ class VllmEngine(RolloutEngine):
             not torch.cuda.is_available()
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            return self._generate(prompts, n, sampling)
+        except (VLLMClientError, ValueError) as err:  # vLLM's checks of the request (ValueError in older paths)
+            raise InvalidRequest(str(err)) from None
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
         from vllm import SamplingParams
 
         requests, params = [], []

@@ -83,9 +83,10 @@ def test_a_math_check_past_its_time_limit_scores_zero_and_the_next_one_works():
 def test_weight_zero_is_honoured_and_unset_means_one():
     """The proto field is optional: 0 arrives as 0 (reported, adds nothing), unset as 1."""
     from rlserve.rewards.scoring import specs_from_proto
+    from rlserve.security.plugins import PluginPolicy
 
     specs = specs_from_proto([reward_pb2.RewardFunctionSpec(name="exact_match", weight=0.0),
-                              reward_pb2.RewardFunctionSpec(name="format")])
+                              reward_pb2.RewardFunctionSpec(name="format")], PluginPolicy([]))
     assert [s.weight for s in specs] == [0.0, 1.0]
     score, components, _ = CombinedReward(specs[:1])(item("42"))
     assert score == 0.0 and components == {"exact_match": 1.0}
