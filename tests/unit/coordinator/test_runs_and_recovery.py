@@ -92,6 +92,15 @@ def _left_running(runs_dir, run_id: str, state: str = "running", **spec) -> Run:
     return run
 
 
+async def _no_preflight(spec: RunSpec) -> None:
+    pass
+
+
+def _manager(tmp_path, body=None, check=None, resume_on_restart: bool = True) -> RunManager:
+    return RunManager(tmp_path, body, check, _no_preflight, preflight_timeout_s=5,
+                      resume_on_restart=resume_on_restart)
+
+
 def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_path):
     earlier = _left_running(tmp_path, "r1")
     resumed: list[tuple[str, str]] = []
@@ -100,7 +109,7 @@ def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_pat
         resumed.append((run.run_id, run.resume_reason))
 
     async def scenario() -> RunManager:
-        manager = RunManager(tmp_path, body, check=None, resume_on_restart=True)
+        manager = _manager(tmp_path, body, resume_on_restart=True)
         run = manager.get("r1")
         # What the earlier coordinator announced is there, unchanged, and new events continue the sequence.
         assert [(ev.sequence, ev.kind, ev.message) for ev in run.events[:len(earlier.events)]] == [
@@ -122,7 +131,7 @@ def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_pat
 def test_runs_left_running_fail_with_the_resume_command_when_resuming_is_off(tmp_path, resume_on_restart,
                                                                              auto_resume):
     _left_running(tmp_path, "r2", checkpointing={"auto_resume": auto_resume})
-    manager = RunManager(tmp_path, body=None, check=None, resume_on_restart=resume_on_restart)
+    manager = _manager(tmp_path, resume_on_restart=resume_on_restart)
     run = manager.get("r2")
     assert run.state == pb.RUN_STATE_FAILED
     assert run.error.startswith("the coordinator stopped while the run was running (")
@@ -132,7 +141,7 @@ def test_runs_left_running_fail_with_the_resume_command_when_resuming_is_off(tmp
 
 def test_a_run_left_cancelling_ends_cancelled_with_its_trajectories_counted(tmp_path):
     _left_running(tmp_path, "r3", state="cancelling")
-    run = RunManager(tmp_path, body=None, check=None).get("r3")
+    run = _manager(tmp_path).get("r3")
     assert run.state == pb.RUN_STATE_CANCELLED
     assert run.ledger.dropped == Counter({"cancelled": 32}) and run.ledger.balanced()
     assert run.events[-2].kind == pb.EVENT_KIND_DROPPED and run.events[-2].metrics["dropped/cancelled"] == 32
@@ -150,7 +159,7 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
         return spec
 
     async def scenario() -> None:
-        manager = RunManager(tmp_path, body, check)
+        manager = _manager(tmp_path, body, check)
         a = await manager.submit(spec_to_yaml(RunSpec()), "a", resume=False)
         b = await manager.submit(spec_to_yaml(RunSpec()), "b", resume=False)
         await asyncio.sleep(0.01)
