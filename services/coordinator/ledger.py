@@ -13,6 +13,7 @@ Every change is announced: DROPPED events carry `dropped/<reason>`, STEP events
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlserve.v1 import coordinator_pb2
@@ -71,6 +72,26 @@ class Ledger:
             changes["trained"] = float(after.trained - self.trained)
         after.dropped = +after.dropped  # no zero entries
         return after, changes
+
+    def as_announced(self, events: Iterable[coordinator_pb2.RunEvent]) -> Ledger:
+        """This ledger (as run.json saved it) with trained and dropped summed from the event log.
+
+        Each change is appended to events.jsonl as it happens; run.json is rewritten only after a
+        step, so a coordinator killed in between (while it checkpoints, say) leaves run.json behind
+        the events. The events are the record. Generated has no event: the producer saves run.json
+        right after counting it, and it is never less than what the events account for.
+        """
+        trained, dropped = 0, Counter()
+        for ev in events:
+            if ev.kind == coordinator_pb2.EVENT_KIND_STEP:
+                trained += int(ev.metrics.get("batch/trajectories_trained", 0))
+            elif ev.kind == coordinator_pb2.EVENT_KIND_RECOVERED:
+                trained += int(ev.metrics.get("trained", 0))
+            if ev.kind in (coordinator_pb2.EVENT_KIND_DROPPED, coordinator_pb2.EVENT_KIND_RECOVERED):
+                dropped.update({k.removeprefix("dropped/"): int(v) for k, v in ev.metrics.items()
+                                if k.startswith("dropped/")})
+        generated = max(self.generated, trained + sum(dropped.values()))
+        return Ledger(generated, self.scored + generated - self.generated, trained, +dropped)
 
     def to_proto(self) -> coordinator_pb2.Ledger:
         return coordinator_pb2.Ledger(generated=self.generated, scored=self.scored, trained=self.trained,

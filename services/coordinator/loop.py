@@ -102,7 +102,7 @@ def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
 
 async def train_step(ctx: Context, step: int) -> dict[str, float]:
     """One GRPO step: take groups -> filter -> advantages -> train -> sync weights."""
-    spec, ledger = ctx.spec, ctx.run.ledger
+    spec = ctx.spec
     t0 = time.perf_counter()
     version = ctx.run.version
 
@@ -142,7 +142,6 @@ async def train_step(ctx: Context, step: int) -> dict[str, float]:
     result = await ctx.calls.train_step(learner_pb2.TrainStepRequest(
         run_id=ctx.run.run_id, loss=learner_pb2.LOSS_KIND_GRPO, expected_weight_version=version), ray.put(batch))
     train_s = time.perf_counter() - t1
-    ledger.train(batch.num_seqs)
     metrics.update(result.metrics)
     metrics["timing/train_s"] = train_s
     metrics["plumbing/train_s"] = train_s - result.metrics.get("perf/learner_step_seconds", train_s)
@@ -167,6 +166,9 @@ async def train(ctx: Context) -> None:
             ctx.trainer_moved.notify_all()
         run.last_metrics = {k: v for k, v in metrics.items() if isinstance(v, float)}
         run.recorder.metrics(step + 1, metrics)
+        # Counted as trained only with the STEP event that announces it: a fault before this point
+        # (weight sync, validation) leaves them in flight, and the rewind drops them as `recovered`.
+        run.ledger.train(int(metrics["batch/trajectories_trained"]))
         ctx.emit(pb.EVENT_KIND_STEP, f"step {step + 1}/{spec.grpo.max_num_steps}", metrics)
         ctx.progress()
         if spec.checkpointing.enabled and ((step + 1) % spec.checkpointing.save_period == 0) and not last:

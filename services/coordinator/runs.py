@@ -144,11 +144,14 @@ class Run:
         run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir)
         run.state = _STATES[info["state"]]
         run.step, run.version, run.error = info["step"], info["weight_version"], info["error"]
-        run.ledger = Ledger.from_dict(info["ledger"])
         run.created, run.updated = info["created"], info["updated"]
         run.final_model_path, run.plot_path = info["final_model_path"], info["plot_path"]
         run.last_metrics = info.get("last_metrics", {})
         run._load_events()
+        # run.json may lag the event log (see `Ledger.as_announced`): the events are the record.
+        run.ledger = Ledger.from_dict(info["ledger"]).as_announced(run.events)
+        run.step = next((ev.step for ev in reversed(run.events)
+                         if ev.kind in (pb.EVENT_KIND_STEP, pb.EVENT_KIND_RECOVERED)), run.step)
         return run
 
     def save(self) -> None:

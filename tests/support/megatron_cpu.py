@@ -43,12 +43,12 @@ The megatron learner backend probes `torch.cuda.current_device()` when it is
 built on a CPU device and refuses to start without CUDA; under this shim the
 probe succeeds, which is how the distributed tests run it on gloo.
 
-`gloo_process_group()` brings up torch.distributed (gloo, 127.0.0.1 only),
+`gloo_process_group()` brings up torch.distributed (gloo on loopback, file rendezvous),
 `model_parallel()` megatron's `parallel_state` over it,
 `megatron_single_process()` (fixture: `megatron_world_size_1`) both plus the
 patches for world size 1, and
 `spawn_workers()` runs a function on N processes (torch.multiprocessing
-spawn, a free localhost port) and returns what each rank returned.
+spawn, one rendezvous file) and returns what each rank returned.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from tests.support.dist import free_port
 
 
 class CpuRNGStatesTracker:
@@ -276,13 +275,14 @@ def _environ(**values: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gloo_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> Iterator[None]:
-    """torch.distributed on gloo, reachable on 127.0.0.1 only (GLOO_SOCKET_IFNAME=lo while it lives)."""
+def gloo_process_group(rank: int = 0, world_size: int = 1, init_file: str | None = None) -> Iterator[None]:
+    """torch.distributed on gloo over loopback, with a file rendezvous: no TCP store listening anywhere
+    (a tcp:// store binds every interface and outlives `destroy_process_group`)."""
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process")
-    port = free_port() if port is None else port
-    with _environ(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo"):
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    init_file = init_file or tempfile.mktemp(prefix="megatron-cpu-rdzv-")
+    with _environ(GLOO_SOCKET_IFNAME="lo"):
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=120))
         try:
             yield
@@ -319,11 +319,11 @@ def megatron_world_size_1() -> Iterator[None]:
         yield
 
 
-def _spawned(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple) -> None:
+def _spawned(rank: int, fn: Callable[..., Any], world_size: int, out_dir: str, args: tuple) -> None:
     torch.set_num_threads(1)
     result_path = Path(out_dir) / f"rank{rank}.pt"
     try:
-        with gloo_process_group(rank, world_size, port), megatron_cpu():
+        with gloo_process_group(rank, world_size, str(Path(out_dir) / "rendezvous")), megatron_cpu():
             result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, result_path)
     except BaseException:
@@ -334,17 +334,16 @@ def _spawned(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_
 def spawn_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` spawned processes; return each rank's result.
 
-    Each process has a gloo group on a free 127.0.0.1 port and the CPU
+    Each process has a gloo group (file rendezvous, loopback sockets) and the CPU
     patches; `fn` sets up `model_parallel(...)` itself (several layouts may
     follow one another). `fn` must be a module-level function and return
     something `torch.save` can write.
     """
     import torch.multiprocessing as mp
 
-    port = free_port()
     with tempfile.TemporaryDirectory(prefix="megatron-cpu-") as out_dir:
         try:
-            mp.spawn(_spawned, args=(fn, world_size, port, out_dir, args), nprocs=world_size, join=True)
+            mp.spawn(_spawned, args=(fn, world_size, out_dir, args), nprocs=world_size, join=True)
         except Exception as exc:
             errors = []
             for rank in range(world_size):

@@ -86,7 +86,7 @@ def _left_running(runs_dir, run_id: str, state: str = "running", **spec) -> Run:
     run.set_state(pb.RUN_STATE_RUNNING)
     run.ledger.generate(40)
     run.ledger.train(8)
-    run.emit(pb.EVENT_KIND_STEP, "step 1/3", {"reward/mean": 0.5}, step=1)
+    run.emit(pb.EVENT_KIND_STEP, "step 1/3", {"reward/mean": 0.5, "batch/trajectories_trained": 8.0}, step=1)
     run.state = {"running": pb.RUN_STATE_RUNNING, "cancelling": pb.RUN_STATE_CANCELLING}[state]
     run.save()
     return run
@@ -125,6 +125,24 @@ def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_pat
     assert [ev.sequence for ev in run.events] == list(range(len(run.events)))
     on_disk = [json.loads(line) for line in (tmp_path / "r1" / "events.jsonl").read_text().splitlines()]
     assert [r["seq"] for r in on_disk] == list(range(len(run.events)))
+
+
+def test_a_reloaded_run_counts_what_its_events_announced_after_run_json_was_saved(tmp_path):
+    """A coordinator killed between an event and the next save of run.json (it saves once per step):
+    the reloaded ledger and step are those the event log announced, so a rewind undoes the right counts."""
+    run = _left_running(tmp_path, "r4")
+    run.ledger.drop("zero_advantage", 8)
+    run.emit(pb.EVENT_KIND_DROPPED, "dropped 2 groups", {"dropped/zero_advantage": 8.0})
+    run.ledger.train(16)
+    run.step = 2
+    run.emit(pb.EVENT_KIND_STEP, "step 2/3", {"batch/trajectories_trained": 16.0})
+    reloaded = Run.from_disk(tmp_path / "r4")
+    assert reloaded.ledger.to_dict() == run.ledger.to_dict() == {
+        "generated": 40, "scored": 40, "trained": 24, "dropped": {"zero_advantage": 8}}
+    assert reloaded.step == 2
+    after, changes = reloaded.ledger.rewind(Ledger(16, 16, 8, Counter()))
+    assert changes == {"dropped/recovered": 24.0, "dropped/zero_advantage": -8.0, "trained": -16.0}
+    assert after.in_flight == 8
 
 
 @pytest.mark.parametrize("resume_on_restart, auto_resume", [(False, True), (True, False)])
