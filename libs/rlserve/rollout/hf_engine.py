@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlserve.models.architecture import eos_token_ids, load_causal_lm
 from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,15 +22,16 @@ class TransformersEngine(RolloutEngine):
     name = "transformers"
 
     def __init__(self, cfg: EngineConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=_DTYPES[cfg.dtype]).to(self.device)
+        self.model = load_causal_lm(cfg.model_path, _DTYPES[cfg.dtype]).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        # Every EOS id of the model (Llama-3.x-Instruct lists several), as vLLM stops on them all.
+        self.eos_ids = set(eos_token_ids(cfg.model_path)) or {self.tokenizer.eos_token_id}
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
@@ -43,7 +45,7 @@ class TransformersEngine(RolloutEngine):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention[i, width - len(ids):] = 1
         greedy = sampling.temperature == 0
-        stop_ids = {self.eos_id, *sampling.stop_token_ids}
+        stop_ids = {*self.eos_ids, *sampling.stop_token_ids}
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),

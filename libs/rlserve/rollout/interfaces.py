@@ -22,6 +22,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     kv_cache_gb: float = 1.0
+    # vLLM: "auto" reloads weights in place where that is known to be correct and rebuilds the
+    # engine otherwise; "rebuild" always starts a new engine on the new weights (slow, for checks).
+    weight_reload: str = "auto"
 
 
 @dataclass(frozen=True)

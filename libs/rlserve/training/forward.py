@@ -7,6 +7,8 @@ within a fixed budget (about 1 GiB) whatever the batch and sequence length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -21,9 +23,13 @@ LOGITS_BUDGET_BYTES = 2**30
 
 
 def gather_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
-                    chunk_rows: int | None = None, with_entropy: bool = False
+                    chunk_rows: int | None = None, with_entropy: bool = False,
+                    logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) for each row of `hidden` [N, H] under logits hidden @ head_weight.T (fp32 math).
+
+    `logits_fn` is the model's own post-processing of those logits (soft-capping, scaling:
+    `rlserve.models.architecture.OutputLogits`), applied in fp32 before the softmax.
 
     Returns ([N] logprobs, [N] entropies or None). Differentiable in hidden and head_weight.
     `chunk_rows` defaults to the most rows whose fp32 logits fit LOGITS_BUDGET_BYTES: few, large
@@ -35,6 +41,8 @@ def gather_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: to
     # micro-batch without completion tokens must still run backward (FSDP's collectives).
     for start in range(0, max(1, hidden.shape[0]), chunk_rows):
         logits = (hidden[start:start + chunk_rows] @ head_weight.t()).float()
+        if logits_fn is not None:
+            logits = logits_fn(logits)
         lse = torch.logsumexp(logits, dim=-1)
         out.append(logits.gather(-1, targets[start:start + chunk_rows, None]).squeeze(-1) - lse)
         if with_entropy:

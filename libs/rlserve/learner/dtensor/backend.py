@@ -16,6 +16,7 @@ from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
+from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
@@ -29,12 +30,14 @@ class PolicyLogprobs(nn.Module):
     """Root module for FSDP: runs the decoder and returns logprobs of completion tokens only.
 
     Wrapping the HF model lets the FSDP root gather the embeddings, final norm and head
-    before this forward, while the vocabulary projection covers only completion positions.
+    before this forward, while the vocabulary projection covers only completion positions
+    (followed by the model's own logit soft-capping or scaling, as its ForCausalLM does).
     """
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        self.output_logits = OutputLogits.from_config(lm.config)
 
     def forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Packed rows need their restarting positions (transformers derives the block-diagonal
@@ -46,15 +49,14 @@ class PolicyLogprobs(nn.Module):
             hidden = hidden.full_tensor()
         head = self.lm.get_output_embeddings().weight
         rows = hidden.flatten(0, 1).index_select(0, mb.hidden_index)
-        return gather_logprobs(rows, head, mb.targets, with_entropy=with_entropy)
+        return gather_logprobs(rows, head, mb.targets, with_entropy=with_entropy,
+                               logits_fn=None if self.output_logits.identity else self.output_logits)
 
 
 class DTensorBackend(LearnerBackend):
     name = "dtensor"
 
     def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
-        from transformers import AutoModelForCausalLM
-
         self.spec, self.model_path, self.device = spec, Path(model_path), device
         cfg = spec.policy.dtensor_cfg
         self.dims = ParallelDims.from_world(dist.get_world_size(), cfg.tensor_parallel_size)
@@ -63,7 +65,7 @@ class DTensorBackend(LearnerBackend):
         self.param_dtype = _DTYPES[spec.policy.precision]
         torch.manual_seed(spec.grpo.seed)
 
-        lm = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        lm = load_causal_lm(self.model_path, torch.float32)
         lm.config.use_cache = False
         self.pad_id = lm.config.pad_token_id or 0
         self.num_parameters = sum(p.numel() for p in lm.parameters())
@@ -120,7 +122,8 @@ class DTensorBackend(LearnerBackend):
         return norm
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return weights.export_weights(self.model, self.export_names, self.model.lm.config.tie_word_embeddings, dtype)
+        return weights.export_weights(self.model, self.model.lm, self.export_names,
+                                      self.model.lm.config.tie_word_embeddings, dtype)
 
     def save_checkpoint(self, path: Path) -> None:
         checkpoint.save(path, self.model, self.optimizer, {"version": self._version,
