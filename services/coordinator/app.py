@@ -1,7 +1,8 @@
 """The coordinator Serve application: the public `rlserve.v1.Coordinator` API.
 
-SubmitRun checks what it can before queueing (the spec, the model, the
-data, the rollout's architecture, the reward functions), so a run that
+SubmitRun checks what it can before queueing (the spec, the model and
+whether the learner backend can train it, the data, the rollout's
+architecture, the reward functions), so a run that
 cannot work is refused with the field named instead of failing later.
 """
 
@@ -12,11 +13,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 from ray import serve
+from transformers import AutoConfig
 
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
+from rlserve.learner.registry import UnsupportedModel, check_model
 from rlserve.logs import setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
@@ -67,6 +70,10 @@ class Coordinator:
             splits = build_splits(spec.data)
         except ValueError as err:
             raise invalid_argument("data", str(err)) from None
+        try:
+            check_model(spec, AutoConfig.from_pretrained(model))
+        except UnsupportedModel as err:
+            raise failed_precondition(str(err)) from None
         tok = PromptTokenizer(model)
         room = spec.policy.max_total_sequence_length - spec.policy.generation.max_new_tokens
         longest = max(len(tok.encode(ex.prompt)) for ex in splits.train[:2000] + splits.val)

@@ -2,7 +2,7 @@
 
 One entry per architecture (or variant that takes its own code path): tied and
 untied Llama 3 (several EOS ids, llama3 RoPE scaling), Qwen2 (q/k/v biases),
-Qwen3 (q/k norms, head_dim * heads != hidden), Qwen3-MoE and Mixtral
+Qwen3 (q/k norms, heads * head_dim != hidden), Qwen3-MoE and Mixtral
 (transformers 5 fuses their experts in memory; the checkpoint keeps them one
 by one), Mistral with and without a sliding window, Gemma2 (final-logit and
 attention soft-capping, sandwich norms, scaled embeddings), Gemma3 text (q/k
@@ -27,7 +27,7 @@ import transformers
 
 from rlserve.models.tokenizer import BOS, EOS, PAD, save_tokenizer, token_id, vocab_size
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+SMALL = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=128, rms_norm_eps=1e-6)
 WINDOW = 8  # shorter than the test sequences: a skipped window changes the numbers
 
@@ -38,7 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=8, tie_word_embeddings=False)),  # 8 * 32 != hidden
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                          norm_topk_prob=True, tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
