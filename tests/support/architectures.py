@@ -44,7 +44,7 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False)),
     "mistral-window": ("MistralConfig", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
-    "gemma2": ("Gemma2Config", dict(final_logit_softcapping=2.0, attn_logit_softcapping=1.0, query_pre_attn_scalar=32,
+    "gemma2": ("Gemma2Config", dict(final_logit_softcapping=1.0, attn_logit_softcapping=1.0, query_pre_attn_scalar=1,
                                     sliding_window=WINDOW, tie_word_embeddings=True)),
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=32, sliding_window=WINDOW, final_logit_softcapping=2.0,
                                         layer_types=["sliding_attention", "full_attention"],
@@ -90,3 +90,89 @@ def architecture_dir(name: str, root: str) -> Path:
     """The model folder for `name` under `root`, made once per process."""
     path = Path(root) / name
     return path if (path / "config.json").is_file() else make_architecture(name, path)
+
+
+# Token sequences every architecture is scored on: longer than WINDOW, of unequal lengths (padding),
+# with completions of several tokens. (prompt length, total length) per sequence.
+SHAPES = ((6, 20), (4, 16), (9, 12))
+
+
+def sequences(seed: int = 5) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) of the scored sequences, ids among the ordinary symbols."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(4, vocab_size(), (n,), generator=g).tolist(), p) for p, n in SHAPES]
+
+
+def _eager(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] logits of the model's own ForCausalLM forward (eager attention)."""
+    return _eager(path)(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def transformers_logprobs(path: Path, seqs: list[tuple[list[int], int]]) -> list[list[float]]:
+    """Completion-token logprobs from the model's own ForCausalLM forward, one sequence at a time.
+
+    Eager attention: the reference implementation of every architecture (transformers' SDPA
+    path drops Gemma2's attention soft-capping).
+    """
+    model = _eager(path)
+    out = []
+    for ids, p in seqs:
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        logp = logits.log_softmax(-1)
+        out.append([float(logp[t - 1, ids[t]]) for t in range(p, len(ids))])
+    return out
+
+
+def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(x) for x in b]
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def learner_spec(tp: int = 1, sp: bool = False) -> dict:
+    return {"policy": {"dtensor_cfg": {"tensor_parallel_size": tp, "sequence_parallel": sp},
+                       "train_micro_batch_size": 4, "max_total_sequence_length": 32,
+                       "generation": {"max_new_tokens": 8}},
+            "cluster": {"num_workers": tp},
+            "loss_fn": {"reference_policy_kl_penalty": 0.05}}
+
+
+def dtensor_runs(rank: int, world: int, names: list[str], root: str, tp: int, sp: bool, export: bool) -> dict:
+    """For each architecture, on `world` gloo ranks: learner logprobs (padded and packed) of
+    `sequences()`, one GRPO step, logprobs after it and (rank 0, `export`) the exported weights
+    written as an HF folder `<root>/<name>-step`."""
+    from rlserve.config import parse_spec
+    from rlserve.learner.dtensor.backend import DTensorBackend
+    from rlserve.models.hf_io import write_hf_folder
+    from rlserve.training.batch import TrainBatch, rank_micro_batches
+    from tests.support.batches import random_grpo_batch
+
+    seqs = sequences()
+    batch = TrainBatch.from_sequences([s for s, _ in seqs], [p for _, p in seqs])
+    results = {}
+    for name in names:
+        path = architecture_dir(name, root)
+        backend = DTensorBackend(parse_spec(learner_spec(tp, sp)), path, torch.device("cpu"))
+
+        def logprobs(packed: bool) -> list[list[float]]:
+            (mb,) = rank_micro_batches(batch, list(range(len(seqs))), 0, 1, packed=packed, micro_batch_size=8,
+                                       mb_tokens=64, pad_id=backend.pad_id)
+            with torch.no_grad():
+                flat = backend.model(mb, with_entropy=False)[0].tolist()
+            cuts = torch.tensor([0] + [len(s) - p for s, p in seqs]).cumsum(0).tolist()
+            return [flat[a:b] for a, b in zip(cuts, cuts[1:])]
+
+        before = {"padded": logprobs(False), "packed": logprobs(True)}
+        loss = backend.train_step(random_grpo_batch(1), "grpo").metrics["loss/total"]
+        exported = {n: t.clone() for n, t in backend.export_weights()}
+        if export and rank == 0:
+            write_hf_folder(Path(root) / f"{name}-step", exported, path, {"step": 1})
+        results[name] = {"before": before, "after": logprobs(False), "loss": loss}
+        del backend
+    return results
