@@ -14,7 +14,6 @@ agree with vLLM, which applies the cap.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,24 +69,3 @@ def load_causal_lm(path: Path | str, dtype: torch.dtype) -> torch.nn.Module:
 def num_experts(config) -> int:
     """Routed experts per MoE layer (Mixtral says `num_local_experts`, Qwen-MoE `num_experts`); 0 if dense."""
     return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
-
-
-def _ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
-    """Every end-of-sequence id of an HF folder (Llama-3.x-Instruct and Gemma-3 list several).
-
-    `generation_config.json` wins over `config.json`, as in transformers' and
-    vLLM's generation; either may hold one int or a list.
-    """
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            ids = _ids(json.loads(path.read_text()).get("eos_token_id"))
-            if ids:
-                return ids
-    return ()

@@ -1,4 +1,4 @@
-"""Write a generated Llama/Mixtral-shaped model as a Hugging Face folder.
+"""Write a generated Llama/Mixtral/Qwen3-MoE-shaped model as a Hugging Face folder.
 
 The folder is what every engine loads: transformers (learner, reference),
 vLLM (rollout) and the HF->Megatron converter. Weights are deterministic in
@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
+from transformers import LlamaConfig, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
 from rlserve.models.presets import ModelPreset
 from rlserve.models.tokenizer import BOS, EOS, PAD, save_tokenizer, token_id, vocab_size
@@ -40,7 +40,11 @@ def hf_config(preset: ModelPreset) -> PretrainedConfig:
         return MixtralConfig(
             **common, num_local_experts=preset.num_experts, num_experts_per_tok=preset.experts_per_token
         )
-    raise ValueError(f"unknown architecture {preset.architecture!r}; valid: llama, mixtral")
+    if preset.architecture == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=preset.hidden_size // preset.num_heads, num_experts=preset.num_experts,
+                              num_experts_per_tok=preset.experts_per_token, moe_intermediate_size=preset.ffn_size,
+                              norm_topk_prob=True)
+    raise ValueError(f"unknown architecture {preset.architecture!r}; valid: llama, mixtral, qwen3_moe")
 
 
 def make_model(preset: ModelPreset, out_dir: Path, seed: int = 0) -> Path:

@@ -3,9 +3,10 @@
 `tiny` is the demo/test model (the 2-core recipe in DESIGN.md, with 32-wide
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
-reload leaves a tied output layer stale), `small` is for CPU benchmarks, `1b`
-for GPU benchmarks, and `moe-tiny` exercises the Mixtral-shaped MoE path of
-the Megatron backend.
+reload used to leave a tied output layer stale), `small` is for CPU benchmarks, `1b`
+for GPU benchmarks, `moe-tiny` exercises the Mixtral-shaped MoE path of
+the Megatron backend, and `qwen3-moe-tiny` is a Qwen3-MoE (q/k norms, 4
+experts, top-2 renormalised) for end-to-end MoE runs through either backend.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ModelPreset:
     name: str
-    architecture: str  # "llama" or "mixtral"
+    architecture: str  # "llama", "mixtral" or "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -39,6 +40,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", "llama", 512, 8, 8, 4, 1536, 512, False, padded_vocab_size=4096),
         ModelPreset("1b", "llama", 2048, 16, 16, 8, 5632, 4096, False, padded_vocab_size=32000),
         ModelPreset("moe-tiny", "mixtral", 128, 2, 4, 2, 256, 256, False, num_experts=4, experts_per_token=2),
+        ModelPreset("qwen3-moe-tiny", "qwen3_moe", 128, 2, 4, 2, 128, 256, False, num_experts=4,
+                    experts_per_token=2),
     )
 }
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlserve.models.architecture import eos_token_ids, load_causal_lm
+from rlserve.models.architecture import load_causal_lm
 from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,8 +29,10 @@ class TransformersEngine(RolloutEngine):
         self.model = load_causal_lm(cfg.model_path, _DTYPES[cfg.dtype]).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        # Every EOS id of the model (Llama-3.x-Instruct lists several), as vLLM stops on them all.
-        self.eos_ids = set(eos_token_ids(cfg.model_path)) or {self.tokenizer.eos_token_id}
+        # Every EOS id of the model (Llama-3.x-Instruct lists several in its generation config), as
+        # vLLM stops on them all.
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
 
     @torch.inference_mode()
