@@ -4,15 +4,15 @@
 # KEEP_CLUSTER=1 leaves the services running afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CLUSTER=${CLUSTER:-deploy/cluster.yaml}
+CLUSTER=${CLUSTER:-}  # empty: the embedded default cluster
 SPEC=${SPEC:-examples/grpo_addition.yaml}
 LOG=$(mktemp)
 
-deploy/serve up "$CLUSTER"
+deploy/serve up $CLUSTER
 status=0
 .venv/bin/rlserve submit "$SPEC" --watch | tee "$LOG" || status=$?
 if [[ "${KEEP_CLUSTER:-0}" != 1 ]]; then
-  deploy/serve down "$CLUSTER" >/dev/null
+  deploy/serve down $CLUSTER >/dev/null
 fi
 if [[ $status -ne 0 ]]; then
   echo "demo: the run did not succeed (exit $status); see the events above" >&2

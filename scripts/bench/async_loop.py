@@ -37,17 +37,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ages", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error("--steps must be at least 4: the first 2 steps (engine warm-up) are not timed")
 
     import yaml
 
     from rlserve.clients.coordinator import CoordinatorClient
-    from rlserve.cluster.config import load_cluster_file
+    from rlserve.cluster.config import default_cluster_file, load_cluster_file
     from rlserve.cluster.lifecycle import Cluster, down, up
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
     cluster_file = root / "cluster.yaml"
-    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "cluster.yaml").read_text())
+    data = yaml.safe_load(default_cluster_file().read_text())
     data.update({"ray_port": 6780, "grpc_port": 9300, "http_port": 8300, "runs_dir": str(root / "runs")})
     cluster_file.write_text(yaml.safe_dump(data))
     cluster = Cluster(*load_cluster_file(cluster_file))

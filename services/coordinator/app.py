@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from transformers import AutoConfig
 
@@ -22,6 +22,7 @@ from rlserve.data.prompts import PromptTokenizer
 from rlserve.learner.registry import UnsupportedModel, check_model
 from rlserve.logs import setup_logging
 from rlserve.models import resolve_model
+from rlserve.rollout.deployed import match_generation
 from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import reward_pb2
@@ -42,26 +43,35 @@ class CoordinatorArgs(BaseModel):
     apps: dict[str, str] = {"rollout": "rollout", "reward": "reward", "reference": "reference",
                             "learner": "learner"}
     weight_store: str = DEFAULT_STORE_NAME
+    # The rollout and learner services hold one policy at a time: a second run's Configure would
+    # tear down the first run's learner. Runs are queued until they can share the cluster.
     max_concurrent_runs: int = 1
-    watchdog_timeout_s: float = 1200.0
-    call_retries: int = 5
-    call_timeout_s: float = 900.0
+    watchdog_timeout_s: float = Field(1200.0, gt=0)
+    retry: RetryPolicy = RetryPolicy()
+
+    @field_validator("max_concurrent_runs")
+    @classmethod
+    def _one_run_at_a_time(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"must be 1, got {v}: runs cannot share the rollout and learner services yet "
+                             f"(a second run would reconfigure the first run's learner); they are queued")
+        return v
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64)
+@serve.deployment(max_ongoing_requests=64)
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = CoordinatorArgs.model_validate(args or {})
         self.settings = LoopSettings(apps=self.args.apps, weight_store=self.args.weight_store,
-                                     retry=RetryPolicy(retries=self.args.call_retries,
-                                                       timeout_s=self.args.call_timeout_s),
+                                     retry=self.args.retry,
                                      watchdog_timeout_s=self.args.watchdog_timeout_s)
         self.manager = RunManager(Path(self.args.runs_dir), lambda run: run_grpo(run, self.settings),
                                   self._check, self.args.max_concurrent_runs)
 
-    async def _check(self, spec: RunSpec) -> None:
-        """Refuse, at submission, a run that cannot work on this cluster."""
+    async def _check(self, spec: RunSpec) -> RunSpec:
+        """Refuse, at submission, a run that cannot work on this cluster; returns the spec with the
+        generation settings of the deployed rollout filled in."""
         try:
             model = resolve_model(spec.policy.model_name, spec.policy.model_seed)
         except ValueError as err:
@@ -86,6 +96,9 @@ class Coordinator:
                              on_retry=lambda msg: None)
         try:
             info = await calls.rollout_info()
+            spec, problems = match_generation(spec, info)
+            if problems:
+                raise failed_precondition("; ".join(problems))
             if info.architecture_fingerprint != fingerprint(checkpoint_specs(model)):
                 raise failed_precondition(f"policy.model_name: {spec.policy.model_name} does not have the "
                                           f"architecture of the model the rollout service serves ({info.model})")
@@ -97,6 +110,7 @@ class Coordinator:
             raise failed_precondition(f"reward.functions or services: {err}") from None
         finally:
             await calls.close()
+        return spec
 
     @grpc_method
     async def SubmitRun(self, request: pb.SubmitRunRequest) -> pb.SubmitRunResponse:
@@ -127,5 +141,3 @@ def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.coordinator.app:build`)."""
     return build_app(Coordinator, CoordinatorArgs, args)
 
-
-app = build({})

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from rlserve.rpc import RpcError
@@ -43,12 +43,16 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.UNAVAILABLE, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    retries: int = 5
-    first_backoff_s: float = 1.0
-    max_backoff_s: float = 16.0
-    timeout_s: float = 900.0
+class RetryPolicy(BaseModel):
+    """How calls to the other services are retried (the coordinator's `retry` arg in the cluster file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    retries: int = Field(5, ge=0)
+    first_backoff_s: float = Field(1.0, gt=0)
+    max_backoff_s: float = Field(16.0, gt=0)
+    # Per attempt.
+    timeout_s: float = Field(900.0, gt=0)
 
 
 class ServiceCalls:

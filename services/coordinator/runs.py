@@ -119,7 +119,7 @@ RunBody = Callable[[Run], Awaitable[None]]
 
 
 class RunManager:
-    def __init__(self, runs_dir: Path, body: RunBody, check: Callable[[RunSpec], Awaitable[None]],
+    def __init__(self, runs_dir: Path, body: RunBody, check: Callable[[RunSpec], Awaitable[RunSpec]],
                  max_concurrent_runs: int = 1):
         self.runs_dir = runs_dir
         self.body = body
@@ -168,7 +168,7 @@ class RunManager:
                 raise invalid_argument("run_id", "letters, digits, '-', '_' and '.' only")
             run_id = run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
             run_dir = self.runs_dir / run_id
-        await self.check(spec)
+        spec = await self.check(spec)
         run = Run(run_id, spec, run_dir, resume=resume)
         if not resume:
             (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))

@@ -69,7 +69,7 @@ def batch_from_proto(request: learner_pb2.TrainStepRequest) -> TrainBatch:
         raise invalid_argument("sequences", str(err)) from None
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=8)
+@serve.deployment(max_ongoing_requests=8)
 class Learner:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -213,5 +213,3 @@ def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.learner.app:build`)."""
     return build_app(Learner, LearnerArgs, args)
 
-
-app = build({})

@@ -48,10 +48,12 @@ class LearnerWorker:
     def export(self, run_id: str, store_name: str) -> dict:
         """Stream HF-named tensors into bounded buckets; rank 0 puts them and publishes the version."""
         t0 = time.perf_counter()
-        gen = self.spec.policy.generation.vllm_cfg.precision
+        # Unset outside a coordinator's run (which fills it from the deployed rollout): the training dtype.
+        precision = self.spec.policy.generation.vllm_cfg.precision
+        dtype = _DTYPES[precision] if precision else None
         max_bytes = self.spec.policy.refit_buffer_size_mb * 2**20
         refs, n_tensors, n_bytes = [], 0, 0
-        for bucket in iter_buckets(self.backend.export_weights(_DTYPES[gen]), max_bytes):
+        for bucket in iter_buckets(self.backend.export_weights(dtype), max_bytes):
             if self.rank == 0:
                 refs.append(ray.put(bucket))
                 n_tensors += len(bucket)

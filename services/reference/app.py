@@ -32,7 +32,7 @@ class ReferenceArgs(BaseModel):
     max_models: int = 2
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=8)
+@serve.deployment(max_ongoing_requests=8)
 class Reference:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -86,5 +86,3 @@ def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.reference.app:build`)."""
     return build_app(Reference, ReferenceArgs, args)
 
-
-app = build({})

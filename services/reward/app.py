@@ -45,7 +45,7 @@ def _combined(specs: tuple[FunctionSpec, ...]) -> CombinedReward:
     return CombinedReward(list(specs))
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=32)
+@serve.deployment(max_ongoing_requests=32)
 class Reward:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -70,5 +70,3 @@ def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.reward.app:build`)."""
     return build_app(Reward, RewardArgs, args)
 
-
-app = build({})

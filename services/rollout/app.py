@@ -13,20 +13,18 @@ import logging
 import time
 from pathlib import Path
 
-import ray
-import torch
-from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
-from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
-from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, unavailable
+from rlserve.rollout.interfaces import EngineConfig, EngineSettings, SamplingSpec
+from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
 from rlserve.v1 import common_pb2, rollout_pb2
-from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs, fingerprint
-from rlserve.weights.store import DEFAULT_STORE_NAME, Publication, get_store
+from rlserve.weights.follower import WeightFollower
+from rlserve.weights.specs import checkpoint_specs, fingerprint
+from rlserve.weights.store import DEFAULT_STORE_NAME, get_store
 
 log = logging.getLogger("rlserve.rollout")
 
@@ -34,20 +32,12 @@ _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_RE
            "abort": common_pb2.FINISH_REASON_ABORT}
 
 
-class RolloutArgs(BaseModel):
-    """Deploy-time arguments (from cluster.yaml through the Serve config)."""
-
-    model_config = ConfigDict(extra="forbid")
+class RolloutArgs(EngineSettings):
+    """Deploy-time arguments (from the cluster file through the Serve config)."""
 
     engine: str = "vllm"
     model: str = "preset:tiny"
     model_seed: int = 0
-    dtype: str = "float32"
-    max_model_len: int = 256
-    kv_cache_gb: float = 1.0
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
     weight_store: str = DEFAULT_STORE_NAME
 
 
@@ -69,83 +59,23 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
     )
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=16)
+@serve.deployment(max_ongoing_requests=16)
 class Rollout:
     def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = RolloutArgs.model_validate(args or {})
         model_path = resolve_model(self.args.model, self.args.model_seed)
-        self.engine = make_engine(self.args.engine, EngineConfig(
-            model_path=model_path, dtype=self.args.dtype, max_model_len=self.args.max_model_len,
-            seed=self.args.seed, tensor_parallel_size=self.args.tensor_parallel_size,
-            gpu_memory_utilization=self.args.gpu_memory_utilization, kv_cache_gb=self.args.kv_cache_gb))
-        self.specs = checkpoint_specs(model_path)
-        self.fingerprint = fingerprint(self.specs)
+        settings = self.args.model_dump(include=set(EngineSettings.model_fields))
+        self.engine = make_engine(self.args.engine, EngineConfig(model_path=model_path, **settings))
+        specs = checkpoint_specs(model_path)
+        self.fingerprint = fingerprint(specs)
         self.info = self.engine.info()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.store = get_store(self.args.weight_store)
+        self.weights = WeightFollower(get_store(self.args.weight_store), self.engine, specs, self.replica_id)
         self.lock = asyncio.Lock()
-        self.publish_id = 0
-        self.run_id = ""
-        self.version = 0
-        # A (re)started replica catches up with the newest publication before serving.
-        latest = ray.get(self.store.latest.remote())
-        if latest is not None:
-            try:
-                self._apply(latest)
-            except RpcError as err:  # serve the deployed weights until the next publication
-                self.publish_id = latest.publish_id
-                event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id,
-                      version=latest.version, error=err.message)
+        self.weights.catch_up()
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
-              version=self.version, fingerprint=self.fingerprint)
-
-    # --- weights -----------------------------------------------------------
-
-    def _fetch(self, pub: Publication) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = {}
-        for bucket in ray.get(pub.bucket_refs):
-            tensors.update(bucket)
-        return tensors
-
-    def _apply(self, pub: Publication) -> rollout_pb2.UpdateWeightsResponse:
-        """Fetch, validate, then load one publication; the old weights keep serving on any error."""
-        t0 = time.perf_counter()
-        if pub.safetensors_path:
-            got = checkpoint_specs(pub.safetensors_path)
-            tensors = None
-        else:
-            try:
-                tensors = self._fetch(pub)
-            except ray.exceptions.RayError as err:
-                raise unavailable(f"weights of version {pub.version} are no longer in the object store "
-                                  f"(the learner that published them is gone): {type(err).__name__}") from None
-            got = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in tensors.items()}
-        problems = check_update(self.specs, got)
-        if problems:
-            raise invalid_argument("weights", "; ".join(problems[:5]))
-        t1 = time.perf_counter()
-        try:
-            if tensors is None:
-                self.engine.load_weights_from_path(Path(pub.safetensors_path))
-            else:
-                self.engine.load_weights(tensors.items())
-        except ValueError as err:
-            raise failed_precondition(str(err)) from None
-        t2 = time.perf_counter()
-        self.publish_id, self.run_id, self.version = pub.publish_id, pub.run_id, pub.version
-        event(log, "rollout.weights_applied", replica=self.replica_id, run=pub.run_id or None,
-              version=pub.version, tensors=len(got), fetch_s=t1 - t0, apply_s=t2 - t1)
-        return rollout_pb2.UpdateWeightsResponse(
-            weight_version=pub.version, num_tensors=len(got), num_bytes=pub.num_bytes,
-            fetch_seconds=t1 - t0, apply_seconds=t2 - t1, replica_id=self.replica_id)
-
-    async def _sync(self) -> None:
-        """Bring this replica to the newest publication (caller holds the lock)."""
-        head = await self.store.head.remote()
-        if head is not None and head[0] > self.publish_id:
-            pub = await self.store.latest.remote()
-            await asyncio.to_thread(self._apply, pub)
+              version=self.weights.version, fingerprint=self.fingerprint)
 
     # --- RPCs --------------------------------------------------------------
 
@@ -176,14 +106,15 @@ class Rollout:
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
         async with self.lock:
-            await self._sync()
-            if request.run_id and self.run_id and request.run_id != self.run_id:
-                raise failed_precondition(f"this rollout serves the weights of run {self.run_id!r}, "
+            await self.weights.sync()
+            served = self.weights.run_id
+            if request.run_id and served and request.run_id != served:
+                raise failed_precondition(f"this rollout serves the weights of run {served!r}, "
                                           f"not {request.run_id!r}")
-            if self.version < request.min_weight_version:
+            version = self.weights.version
+            if version < request.min_weight_version:
                 raise failed_precondition(f"weight version {request.min_weight_version} is not published "
-                                          f"(newest: {self.version})")
-            version = self.version
+                                          f"(newest: {version})")
             t0 = time.perf_counter()
             outputs = await asyncio.to_thread(self.engine.generate, prompts, n, sampling)
             engine_seconds = time.perf_counter() - t0
@@ -202,44 +133,29 @@ class Rollout:
             raise invalid_argument("source", "give store_name or safetensors_path")
         async with self.lock:
             if source == "safetensors_path":
-                path = Path(request.safetensors_path)
-                if not any(path.glob("*.safetensors")):
-                    raise invalid_argument("safetensors_path", f"{path}: no *.safetensors files")
-                if request.version <= self.version and not request.force:
-                    raise invalid_argument("version", f"{request.version} is not newer than the served "
-                                                      f"{self.version} (set force to load it anyway)")
-                problems = check_update(self.specs, checkpoint_specs(path))
-                if problems:
-                    raise invalid_argument("safetensors_path", "; ".join(problems[:5]))
-                # Published, so that every replica (not only this one) moves to it.
-                num_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-                await self.store.publish.remote(self.run_id, request.version, [], len(self.specs), num_bytes,
-                                                str(path))
-            else:
-                if request.store_name != self.args.weight_store:
-                    raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
-            pub = await self.store.latest.remote()
-            if pub is None or pub.version != request.version:
-                have = "nothing" if pub is None else f"version {pub.version}"
-                raise failed_precondition(f"version {request.version} is not the newest publication ({have})")
-            if pub.publish_id == self.publish_id:
-                return rollout_pb2.UpdateWeightsResponse(weight_version=self.version, replica_id=self.replica_id)
-            return await asyncio.to_thread(self._apply, pub)
+                await self.weights.publish_folder(Path(request.safetensors_path), request.version, request.force)
+            elif request.store_name != self.args.weight_store:
+                raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
+            applied = await self.weights.update_to(request.version)
+        if applied is None:
+            return rollout_pb2.UpdateWeightsResponse(weight_version=request.version, replica_id=self.replica_id)
+        return rollout_pb2.UpdateWeightsResponse(
+            weight_version=applied.version, num_tensors=applied.num_tensors, num_bytes=applied.num_bytes,
+            fetch_seconds=applied.fetch_seconds, apply_seconds=applied.apply_seconds, replica_id=self.replica_id)
 
     @grpc_method
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest) -> rollout_pb2.GetInfoResponse:
         del request
         async with self.lock:
-            await self._sync()
+            await self.weights.sync()
             return rollout_pb2.GetInfoResponse(
-                model=self.info.model, engine=self.info.engine, weight_version=self.version,
+                model=self.info.model, engine=self.info.engine, weight_version=self.weights.version,
                 max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
-                replica_id=self.replica_id, architecture_fingerprint=self.fingerprint, dtype=self.info.dtype)
+                replica_id=self.replica_id, architecture_fingerprint=self.fingerprint, dtype=self.info.dtype,
+                tensor_parallel_size=self.args.tensor_parallel_size,
+                gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager)
 
 
 def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.rollout.app:build`)."""
     return build_app(Rollout, RolloutArgs, args)
-
-
-app = build({})

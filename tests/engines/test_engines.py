@@ -56,12 +56,3 @@ def test_in_place_update_switches_to_the_new_model(vllm_engine, tmp_path):
         vllm_engine.load_weights_from_path(base)
     out = vllm_engine.generate(PROMPTS, 2, SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5))
     assert max_logprob_error(out, base) < 1e-4
-
-
-def test_tied_embeddings_are_refused_on_cpu(tmp_path):
-    from dataclasses import replace
-
-    tied = make_model(replace(get_preset("tiny"), tie_word_embeddings=True), tmp_path / "tied")
-    engine = make_engine("vllm", EngineConfig(model_path=tied))
-    with pytest.raises(ValueError, match="tied embeddings"):
-        engine.load_weights(load_file(tied / "model.safetensors").items())

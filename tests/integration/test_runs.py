@@ -95,6 +95,13 @@ def test_cancel_stops_a_run_and_the_services_stay_usable(client):
     (spec(reward__functions=[{"name": "x", "import_path": "no_such_mod:f"}]), grpc.StatusCode.FAILED_PRECONDITION,
      "reward.functions"),
     ("[1, 2", grpc.StatusCode.INVALID_ARGUMENT, "spec_yaml"),
+    # The engine is deployed with the cluster: a run may state it, not change it.
+    (spec(policy__generation__backend="transformers"), grpc.StatusCode.FAILED_PRECONDITION,
+     "policy.generation.backend: the run asks for 'transformers' but the rollout service runs 'vllm'"),
+    (spec(policy__generation__vllm_cfg__max_model_len=1024), grpc.StatusCode.FAILED_PRECONDITION,
+     "policy.generation.vllm_cfg.max_model_len: the run asks for 1024 but the rollout service runs 128"),
+    (spec(checkpointing__checkpoint_dir="/tmp/elsewhere"), grpc.StatusCode.INVALID_ARGUMENT,
+     "checkpointing.checkpoint_dir: not supported"),
 ])
 def test_bad_specs_are_refused_naming_the_field(client, text, code, field):
     with pytest.raises(grpc.RpcError) as err:

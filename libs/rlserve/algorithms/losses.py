@@ -321,7 +321,7 @@ def finalize_metrics(sums: dict[str, Tensor]) -> dict[str, float]:
     """Namespaced step metrics from the step's reduced sums (one host sync).
 
     Keys not in `sums` are left out, so this serves GRPO and SFT alike (a backend
-    may add "entropy_sum" from `entropy_from_logits`). Token means and extremes
+    adds "entropy_sum" when it computes per-token entropies). Token means and extremes
     are left out of a step without valid tokens rather than reported as 0 or inf.
     """
     keys = sorted(sums)

@@ -9,14 +9,12 @@ from pathlib import Path
 
 from rlserve.config.errors import SpecError
 
-DEFAULT_CLUSTER = Path(__file__).resolve().parents[3] / "deploy" / "cluster.yaml"
 
-
-def _cluster(path: Path):
-    from rlserve.cluster.config import load_cluster_file
+def _cluster(path: Path | None):
+    from rlserve.cluster.config import default_cluster_file, load_cluster_file
     from rlserve.cluster.lifecycle import Cluster
 
-    cfg, runs_dir = load_cluster_file(path)
+    cfg, runs_dir = load_cluster_file(path or default_cluster_file())
     cluster = Cluster(cfg, runs_dir)
     # Before anything imports Ray: it reads the loopback switch at import time.
     os.environ.update(cluster.env())
@@ -84,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
                                ("status", cmd_status, "state, version and replicas per application"),
                                ("config", cmd_config, "print the Serve config derived from the cluster file")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("cluster", type=Path, nargs="?", default=DEFAULT_CLUSTER)
+        p.add_argument("cluster", type=Path, nargs="?", help="cluster file (default: the embedded one)")
         p.set_defaults(func=fn)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
     p.add_argument("service")
     p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`)")
-    p.add_argument("-c", "--cluster", type=Path, default=DEFAULT_CLUSTER)
+    p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_swap)
     args = parser.parse_args(argv)
     try:

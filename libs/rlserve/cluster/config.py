@@ -1,12 +1,17 @@
-"""The cluster file (`deploy/cluster.yaml`): where Ray runs and what each service gets."""
+"""The cluster file: where Ray runs and what each service gets.
+
+The embedded default (`default_cluster.yaml` beside this module, shipped as
+package data) is what `deploy/serve` uses when no file is given.
+"""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
 
@@ -15,25 +20,34 @@ class ServiceCfg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.1, ge=0)
+    # None: the service's default (DEFAULT_NUM_CPUS).
+    num_cpus: float | None = Field(None, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     env_vars: dict[str, str] = {}
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 
 
-def _svc(num_cpus: float, **args: Any) -> ServiceCfg:
-    return ServiceCfg(num_cpus=num_cpus, args=args)
+# Logical CPUs per replica: on a 2-core machine, fractional replicas share the cores.
+DEFAULT_NUM_CPUS = {"rollout": 0.5, "reward": 0.1, "reference": 0.25, "learner": 0.1, "coordinator": 0.1}
 
 
 class ServicesCfg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rollout: ServiceCfg = _svc(0.5)
-    reward: ServiceCfg = _svc(0.1)
-    reference: ServiceCfg = _svc(0.25)
-    learner: ServiceCfg = _svc(0.1)
-    coordinator: ServiceCfg = _svc(0.1)
+    rollout: ServiceCfg = ServiceCfg()
+    reward: ServiceCfg = ServiceCfg()
+    reference: ServiceCfg = ServiceCfg()
+    learner: ServiceCfg = ServiceCfg()
+    coordinator: ServiceCfg = ServiceCfg()
+
+    @model_validator(mode="after")
+    def _default_cpus(self) -> ServicesCfg:
+        for name, cpus in DEFAULT_NUM_CPUS.items():
+            svc = getattr(self, name)
+            if svc.num_cpus is None:
+                setattr(self, name, svc.model_copy(update={"num_cpus": cpus}))
+        return self
 
 
 class ClusterFile(BaseModel):
@@ -53,8 +67,9 @@ class ClusterFile(BaseModel):
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int = Field(1024, ge=78)
-    # Where runs, cluster state and logs go (relative paths: to the cluster file).
-    runs_dir: str = "../runs"
+    # Where runs, cluster state and logs go. None: ./runs in the working directory;
+    # relative paths: to the cluster file.
+    runs_dir: str | None = None
     services: ServicesCfg = ServicesCfg()
 
     @property
@@ -77,4 +92,11 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
         raise SpecError([f"<root>: not valid YAML: {err}"]) from None
     except ValidationError as err:
         raise SpecError(format_validation_error(err, ClusterFile)) from None
+    if cfg.runs_dir is None:
+        return cfg, Path.cwd() / "runs"
     return cfg, cfg.resolve(cfg.runs_dir, path.parent.resolve())
+
+
+def default_cluster_file() -> Path:
+    """The embedded default cluster file (package data, so it is found in any kind of install)."""
+    return Path(str(resources.files("rlserve.cluster").joinpath("default_cluster.yaml")))

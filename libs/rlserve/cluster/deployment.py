@@ -14,9 +14,11 @@ from ray import serve
 class DeploymentArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.1, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    # Required: their defaults live in one place, the cluster file's service section
+    # (`rlserve.cluster.config.ServicesCfg`), which `serve_config.app_args` always passes.
+    num_replicas: int = Field(ge=1)
+    num_cpus: float = Field(ge=0)
+    num_gpus: float = Field(ge=0)
     env_vars: dict[str, str] = {}
     # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
     max_surge_percent: int = Field(100, ge=0, le=100)
@@ -32,5 +34,5 @@ class DeploymentArgs(BaseModel):
 def build_app(deployment: serve.Deployment, args_cls: type[BaseModel], args: dict) -> serve.Application:
     """The body of every app builder: split off `deployment`, validate the rest, bind."""
     args = dict(args)
-    resources = DeploymentArgs.model_validate(args.pop("deployment", {}))
+    resources = DeploymentArgs.model_validate(args.pop("deployment"))
     return resources.apply(deployment).bind(args_cls.model_validate(args).model_dump())

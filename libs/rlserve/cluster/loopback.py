@@ -4,10 +4,10 @@ Ray 2.60 hard-codes `[::]` for Serve's gRPC proxy
 (`serve/_private/grpc_util.py: start_grpc_server`) and for every replica's
 internal gRPC server (`serve/_private/replica.py`), with no option to change
 it. `bind_loopback` is installed as Ray's `worker_process_setup_hook` by every
-rlserve driver (see `rlserve.cluster.connect`), so it runs in the Serve
+rlserve driver (see `rlserve.cluster.lifecycle.connect`), so it runs in the Serve
 controller, proxy and replica processes before they open those sockets and
 rewrites the wildcard to RLSERVE_BIND_HOST. It touches two private
-functions: Ray is pinned to 2.60.0, and tests/integration/test_loopback.py
+functions: Ray is pinned to 2.60.0, and tests/integration/test_swap_and_loopback.py
 fails if anything listens beyond loopback.
 """
 

@@ -80,15 +80,22 @@ class MegatronCfg(Section):
 
 
 class VllmCfg(Section):
-    tensor_parallel_size: int = Field(1, ge=1)
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    max_model_len: int = Field(256, ge=8)
-    precision: Literal["float32", "bfloat16", "float16"] = "float32"
-    enforce_eager: bool = True
+    """The generation engine's settings. The engine is deployed with the cluster (the rollout
+    service's `args` in the cluster file), not per run: a value left unset here is filled in at
+    SubmitRun with what is deployed (the run directory's spec.yaml shows it), and a value that
+    differs from what is deployed is refused (FAILED_PRECONDITION naming both)."""
+
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=8)
+    # Also the dtype the learner exports weights in.
+    precision: Literal["float32", "bfloat16", "float16"] | None = None
+    enforce_eager: bool | None = None
 
 
 class GenerationCfg(Section):
-    backend: Literal["vllm", "transformers"] = "vllm"
+    # The rollout engine; like vllm_cfg, unset means "what is deployed", a different value is refused.
+    backend: Literal["vllm", "transformers"] | None = None
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
@@ -300,11 +307,19 @@ class RewardCfg(Section):
 
 
 class CheckpointingCfg(Section):
+    # Checkpoints live in the run directory (<runs_dir>/<run_id>/checkpoints), which the
+    # cluster file places; a run cannot put them elsewhere.
     enabled: bool = True
-    # None: <run_dir>/checkpoints.
-    checkpoint_dir: str | None = None
     save_period: int = Field(10, ge=1)
     keep_last: int = Field(2, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_checkpoint_dir(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "checkpoint_dir" in data:
+            raise ValueError("checkpointing.checkpoint_dir: not supported; checkpoints are kept in the run "
+                             "directory (<runs_dir>/<run_id>/checkpoints), set `runs_dir` in the cluster file")
+        return data
 
 
 class LoggerCfg(Section):

@@ -1,6 +1,6 @@
 """Model shapes that the project generates itself (no downloads at run time).
 
-`tiny` is the demo/test model (the 2-core recipe in DESIGN.md, with 32-wide
+`tiny` is the demo/test model (`make demo` learns with it on 2 cores; 32-wide
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
 reload used to leave a tied output layer stale), `small` is for CPU benchmarks, `1b`

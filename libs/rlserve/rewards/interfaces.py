@@ -1,8 +1,9 @@
 """The reward plug-in contract.
 
 A reward function scores one completion. Plug-ins are classes (constructed
-with the `args` of their spec) or plain functions; both are called with
-keyword arguments and return a `RewardOutput` or a float.
+with the `args` of their spec as keyword arguments) or plain functions; both
+are then called with one positional `RewardInput` and return a
+`RewardOutput` or a float.
 """
 
 from __future__ import annotations

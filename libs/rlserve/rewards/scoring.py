@@ -24,7 +24,7 @@ def specs_from_proto(functions: list[reward_pb2.RewardFunctionSpec]) -> list[Fun
             raise invalid_argument(f"functions[{i}].args_json", f"not JSON: {err.msg}") from None
         if not isinstance(args, dict):
             raise invalid_argument(f"functions[{i}].args_json", "must be a JSON object")
-        specs.append(FunctionSpec.make(f.name, f.import_path, f.weight if f.weight else 1.0, args))
+        specs.append(FunctionSpec.make(f.name, f.import_path, f.weight if f.HasField("weight") else 1.0, args))
     return specs
 
 

@@ -6,25 +6,32 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """How an engine is started; comes from the rollout app's deploy arguments."""
+class EngineSettings(BaseModel):
+    """How an engine is started (the rollout app's deploy arguments hold these; defaults live here)."""
 
-    model_path: Path
-    dtype: str = "float32"
-    max_model_len: int = 256
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(256, ge=8)
     seed: int = 0
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     enforce_eager: bool = True
-    kv_cache_gb: float = 1.0
-    # vLLM: "auto" reloads weights in place where that is known to be correct and rebuilds the
-    # engine otherwise; "rebuild" always starts a new engine on the new weights (slow, for checks).
-    weight_reload: str = "auto"
+    # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE), whole GiB.
+    kv_cache_gb: int = Field(1, ge=1)
+    # vLLM weight updates: "auto" reloads in place where that is known to be correct (vllm_reload)
+    # and rebuilds the engine otherwise; "rebuild" always starts an engine on the new weights (slow).
+    weight_reload: Literal["auto", "rebuild"] = "auto"
+
+
+class EngineConfig(EngineSettings):
+    model_path: Path
 
 
 @dataclass(frozen=True)

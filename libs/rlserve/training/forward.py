@@ -1,8 +1,11 @@
 """Per-token logprobs of completion tokens, computed from hidden states in row chunks.
 
 Only the positions that predict a completion token are projected onto the
-vocabulary, a chunk of rows at a time, so the temporary fp32 logits stay
-within a fixed budget (about 1 GiB) whatever the batch and sequence length.
+vocabulary, a chunk of rows at a time. Without grad (reference scoring, the
+step's old logprobs) the temporary fp32 logits stay within a fixed budget
+(about 1 GiB) whatever the batch and sequence length; with grad, autograd
+keeps every chunk's logits for the backward pass, so memory grows with the
+number of completion tokens.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a model's weights look like on disk, and whether an update fits them.
 
 Engines must never apply a weight update that does not match the running
-model: vLLM can be left broken by a failed reload (DESIGN.md). So every
+model: a failed reload can leave vLLM's engine broken. So every
 update is checked here first, against the names and shapes of the model's
 own safetensors checkpoint (the project's interchange layout).
 """

@@ -5,19 +5,17 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from rlserve.cluster.config import load_cluster_file
+from rlserve.cluster.config import default_cluster_file, load_cluster_file
 from rlserve.cluster.loopback import rewrite
 from rlserve.cluster.serve_config import APPS, SERVICERS, serve_config
 from rlserve.config.errors import SpecError
 
-DEFAULT = "deploy/cluster.yaml"
 
-
-def test_default_cluster_is_loopback_and_complete():
-    from pathlib import Path
-
-    cfg, runs = load_cluster_file(Path(DEFAULT))
+def test_default_cluster_is_loopback_and_complete(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg, runs = load_cluster_file(default_cluster_file())
     assert cfg.loopback and cfg.address is None
+    assert runs == tmp_path / "runs"  # not inside the installed package
     config = serve_config(cfg, runs)
     assert config["http_options"]["host"] == "127.0.0.1"
     assert [a["name"] for a in config["applications"]] == list(APPS)
@@ -49,3 +47,33 @@ def test_kuberay_manifest_deploys_the_same_apps():
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     assert {a["name"]: a["import_path"] for a in config["applications"]} == APPS
     assert config["grpc_options"]["grpc_servicer_functions"] == SERVICERS
+
+
+def test_partial_service_section_keeps_that_services_defaults(tmp_path):
+    from rlserve.cluster.config import DEFAULT_NUM_CPUS
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"services": {"rollout": {"args": {"engine": "transformers"}},
+                                                 "reference": {"num_cpus": 1.5}}}))
+    cfg, _ = load_cluster_file(path)
+    assert cfg.services.rollout.num_cpus == DEFAULT_NUM_CPUS["rollout"] == 0.5
+    assert cfg.services.reference.num_cpus == 1.5
+    args = serve_config(cfg, tmp_path)["applications"]
+    assert {a["name"]: a["args"]["deployment"]["num_cpus"] for a in args} == {**DEFAULT_NUM_CPUS, "reference": 1.5}
+
+
+def test_kuberay_manifest_args_are_valid_for_each_app():
+    """Each application's args in the manifest pass the app's own validation (as Serve would build it)."""
+    import importlib
+    from pathlib import Path
+
+    from rlserve.cluster.deployment import DeploymentArgs
+
+    manifest = yaml.safe_load(Path("deploy/kuberay/rayservice.yaml").read_text())
+    for app in yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]:
+        module = importlib.import_module(app["import_path"].split(":")[0])
+        args = dict(app["args"])
+        DeploymentArgs.model_validate(args.pop("deployment"))
+        args_cls = next(v for k, v in vars(module).items() if k.endswith("Args") and k != "DeploymentArgs"
+                        and getattr(v, "__module__", "") == module.__name__)
+        args_cls.model_validate(args)

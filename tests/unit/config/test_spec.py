@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,15 +108,3 @@ def test_invalid_numbers_are_rejected_with_their_path(path, value):
         node = node.setdefault(part, {})
     node[leaf] = value
     assert any(p.startswith(path + ":") for p in problems(data))
-
-
-def test_validate_cli(tmp_path):
-    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
-    good.write_text(yaml.safe_dump({"grpo": {"max_num_steps": 3}}))
-    bad.write_text(yaml.safe_dump({"grpo": {"max_num_step": 3}}))
-    cli = str(Path(sys.executable).with_name("rlserve"))  # the installed console script
-    ok = subprocess.run([cli, "validate", str(good)], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    fail = subprocess.run([cli, "validate", str(bad)], capture_output=True, text=True)
-    assert fail.returncode == 1
-    assert "grpo.max_num_step: unknown key" in fail.stderr

@@ -65,3 +65,14 @@ def test_a_failing_item_does_not_fail_the_batch(tmp_path):
     assert [r.status for r in resp.results] == [reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_ERROR,
                                                 reward_pb2.SCORE_STATUS_ERROR, reward_pb2.SCORE_STATUS_OK]
     assert resp.num_errors == 2 and "plug-in bug" in resp.results[1].error and "non-finite" in resp.results[2].error
+
+
+def test_weight_zero_is_honoured_and_unset_means_one():
+    """The proto field is optional: 0 arrives as 0 (reported, adds nothing), unset as 1."""
+    from rlserve.rewards.scoring import specs_from_proto
+
+    specs = specs_from_proto([reward_pb2.RewardFunctionSpec(name="exact_match", weight=0.0),
+                              reward_pb2.RewardFunctionSpec(name="format")])
+    assert [s.weight for s in specs] == [0.0, 1.0]
+    score, components, _ = CombinedReward(specs[:1])(item("42"))
+    assert score == 0.0 and components == {"exact_match": 1.0}

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -47,34 +43,6 @@ def test_transformers_loads_the_folder_and_tokenizer_round_trips():
     assert model(torch.tensor([ids])).logits.shape[-1] == model.config.vocab_size
 
 
-def test_make_model_cli(tmp_path):
-    cli = str(Path(sys.executable).with_name("rlserve"))
-    out = subprocess.run([cli, "make-model", "--preset", "moe-tiny", str(tmp_path / "m")], capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stderr
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
-        assert (tmp_path / "m" / name).is_file()
-    again = subprocess.run([cli, "make-model", "--preset", "tiny", str(tmp_path / "m")], capture_output=True, text=True)
-    assert again.returncode == 1 and "not empty" in again.stderr
-
-
 def test_resolve_model_rejects_non_model_folders(tmp_path):
     with pytest.raises(ValueError, match="not an HF model folder"):
         resolve_model(str(tmp_path))
-
-
-def _resolve_and_hash(cache_dir: str) -> str:
-    import hashlib
-    import os
-    os.environ["RLSERVE_MODEL_CACHE"] = cache_dir
-    return hashlib.sha256((resolve_model("preset:tiny", seed=5) / "model.safetensors").read_bytes()).hexdigest()
-
-
-def test_processes_resolving_one_preset_at_once_get_one_folder(tmp_path):
-    """Services start together and resolve the same `preset:` name; they must not race."""
-    import multiprocessing
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
-        hashes = pool.map(_resolve_and_hash, [str(tmp_path)] * 3)
-    assert len(set(hashes)) == 1
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["tiny-seed5"]

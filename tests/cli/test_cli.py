@@ -1,0 +1,33 @@
+"""Smoke tests of the `rlserve` console script (as installed), one per subcommand that needs no cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+CLI = str(Path(sys.executable).with_name("rlserve"))
+
+
+def test_make_model_cli(tmp_path):
+    out = subprocess.run([CLI, "make-model", "--preset", "moe-tiny", str(tmp_path / "m")], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert (tmp_path / "m" / name).is_file()
+    again = subprocess.run([CLI, "make-model", "--preset", "tiny", str(tmp_path / "m")], capture_output=True, text=True)
+    assert again.returncode == 1 and "not empty" in again.stderr
+
+
+def test_validate_cli(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({"grpo": {"max_num_steps": 3}}))
+    bad.write_text(yaml.safe_dump({"grpo": {"max_num_step": 3}}))
+    ok = subprocess.run([CLI, "validate", str(good)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    fail = subprocess.run([CLI, "validate", str(bad)], capture_output=True, text=True)
+    assert fail.returncode == 1
+    assert "grpo.max_num_step: unknown key" in fail.stderr
