@@ -143,6 +143,18 @@ def learner_spec(tp: int = 1, sp: bool = False) -> dict:
             "loss_fn": {"reference_policy_kl_penalty": 0.05}}
 
 
+@torch.no_grad()
+def _learner_logprobs(backend, batch, packed: bool) -> list[list[float]]:
+    """The learner's completion logprobs of every sequence of `batch`, in one micro-batch."""
+    from rlserve.training.batch import rank_micro_batches
+
+    (mb,) = rank_micro_batches(batch, list(range(batch.num_seqs)), 0, 1, packed=packed, micro_batch_size=8,
+                               mb_tokens=64, pad_id=backend.pad_id)
+    flat = backend.model(mb, with_entropy=False)[0].tolist()
+    cuts = [0] + batch.completion_lens.cumsum(0).tolist()
+    return [flat[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
 def dtensor_runs(rank: int, world: int, names: list[str], root: str, tp: int, sp: bool, export: bool) -> dict:
     """For each architecture, on `world` gloo ranks: learner logprobs (padded and packed) of
     `sequences()`, one GRPO step, logprobs after it and (rank 0, `export`) the exported weights
@@ -150,7 +162,7 @@ def dtensor_runs(rank: int, world: int, names: list[str], root: str, tp: int, sp
     from rlserve.config import parse_spec
     from rlserve.learner.dtensor.backend import DTensorBackend
     from rlserve.models.hf_io import write_hf_folder
-    from rlserve.training.batch import TrainBatch, rank_micro_batches
+    from rlserve.training.batch import TrainBatch
     from tests.support.batches import random_grpo_batch
 
     seqs = sequences()
@@ -159,20 +171,11 @@ def dtensor_runs(rank: int, world: int, names: list[str], root: str, tp: int, sp
     for name in names:
         path = architecture_dir(name, root)
         backend = DTensorBackend(parse_spec(learner_spec(tp, sp)), path, torch.device("cpu"))
-
-        def logprobs(packed: bool) -> list[list[float]]:
-            (mb,) = rank_micro_batches(batch, list(range(len(seqs))), 0, 1, packed=packed, micro_batch_size=8,
-                                       mb_tokens=64, pad_id=backend.pad_id)
-            with torch.no_grad():
-                flat = backend.model(mb, with_entropy=False)[0].tolist()
-            cuts = torch.tensor([0] + [len(s) - p for s, p in seqs]).cumsum(0).tolist()
-            return [flat[a:b] for a, b in zip(cuts, cuts[1:])]
-
-        before = {"padded": logprobs(False), "packed": logprobs(True)}
+        before = {layout: _learner_logprobs(backend, batch, layout == "packed") for layout in ("padded", "packed")}
         loss = backend.train_step(random_grpo_batch(1), "grpo").metrics["loss/total"]
         exported = {n: t.clone() for n, t in backend.export_weights()}
         if export and rank == 0:
             write_hf_folder(Path(root) / f"{name}-step", exported, path, {"step": 1})
-        results[name] = {"before": before, "after": logprobs(False), "loss": loss}
+        results[name] = {"before": before, "after": _learner_logprobs(backend, batch, False), "loss": loss}
         del backend
     return results
