@@ -205,7 +205,7 @@ def test_dtensor_tp2_matches_one_rank(sp, root, dtensor_one_rank, record_propert
 
 # --- rollout (vLLM CPU) ---------------------------------------------------------------------------
 
-def _vllm_error(engine, path, prompts) -> float:
+def _engine_error(engine, path, prompts) -> float:
     from rlserve.rollout.interfaces import SamplingSpec
 
     out = engine.generate(prompts, 2, SamplingSpec(temperature=1.0, max_new_tokens=12, seed=3))
@@ -223,14 +223,14 @@ def test_vllm_logprobs_before_and_after_in_place_update(name, root, dtensor_one_
     engine = make_engine("vllm", EngineConfig(model_path=base, max_model_len=64))
     try:
         assert engine.reload_mode == "in_place"
-        diff = _vllm_error(engine, base, prompts)
+        diff = _engine_error(engine, base, prompts)
         record_property("vllm_base_logprob_max_abs_diff", diff)
         assert diff < ATOL
         engine.load_weights(load_file(str(stepped / "model.safetensors")).items())
-        diff = _vllm_error(engine, stepped, prompts)
+        diff = _engine_error(engine, stepped, prompts)
         record_property("vllm_reloaded_logprob_max_abs_diff", diff)
         assert diff < ATOL
-        assert _vllm_error(engine, base, prompts) > 1e-3  # it serves the new weights, not the old
+        assert _engine_error(engine, base, prompts) > 1e-3  # it serves the new weights, not the old
     finally:
         del engine
 
@@ -247,9 +247,25 @@ def test_vllm_plain_reload_is_stale_and_rebuild_is_right(name, root):
     engine = make_engine("vllm", EngineConfig(model_path=base, max_model_len=64))
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other)})
     engine.llm.reset_prefix_cache()
-    assert _vllm_error(engine, other, prompts) > 1e-2
+    assert _engine_error(engine, other, prompts) > 1e-2
     del engine
     rebuilt = make_engine("vllm", EngineConfig(model_path=base, max_model_len=64, weight_reload="rebuild"))
     assert rebuilt.reload_mode == "rebuild"
     rebuilt.load_weights_from_path(other)
-    assert _vllm_error(rebuilt, other, prompts) < ATOL
+    assert _engine_error(rebuilt, other, prompts) < ATOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_engine_in_place_update(name, root, dtensor_one_rank, record_property):
+    """The transformers engine takes checkpoint-named updates too (fused MoE experts filled in place)."""
+    from rlserve.rollout import make_engine
+    from rlserve.rollout.interfaces import EngineConfig
+
+    base, stepped = architecture_dir(name, root), architecture_dir(f"{name}-step", root)
+    prompts = [ids[:p + 4] for ids, p in sequences()]
+    engine = make_engine("transformers", EngineConfig(model_path=base, max_model_len=64))
+    assert _engine_error(engine, base, prompts) < ATOL
+    engine.load_weights(load_file(str(stepped / "model.safetensors")).items())
+    diff = _engine_error(engine, stepped, prompts)
+    record_property("transformers_engine_reloaded_logprob_max_abs_diff", diff)
+    assert diff < ATOL

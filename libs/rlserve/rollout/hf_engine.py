@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlserve.models.architecture import load_causal_lm
+from rlserve.models.checkpoint_layout import load_from_checkpoint
 from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,16 +93,9 @@ class TransformersEngine(RolloutEngine):
             state.update(load_file(f))
         self._load_checkpoint_state(state)
 
-    @torch.no_grad()
     def _load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy checkpoint-named tensors into the live model (tied weights follow the embedding)."""
-        params = dict(self.model.named_parameters())
-        for name, tensor in state.items():
-            target = params.get(name)
-            if target is None:
-                raise KeyError(f"{name}: no such parameter in the transformers model "
-                               f"(fused-expert MoE checkpoints need the vLLM engine)")
-            target.copy_(tensor.to(target.dtype))
+        """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included)."""
+        load_from_checkpoint(self.model, state)
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

@@ -5,14 +5,9 @@ prefixes are removed; `DTensor.full_tensor()` gathers each one over its mesh.
 Every rank walks every parameter (the gathers are collective); only rank 0
 copies to host memory.
 
-In-memory names are not always checkpoint names: transformers 5 fuses the
-experts of MoE models when it loads them (Mixtral's
-`block_sparse_moe.experts.{e}.w1/w3` become one `mlp.experts.gate_up_proj`
-[E, 2I, H], Qwen-MoE's `experts.{e}.gate_proj/up_proj` likewise), and the
-checkpoint on disk, which vLLM and the weight-update check expect, keeps them
-one expert at a time. Such a parameter goes through transformers' own
-`revert_weight_conversion`, the function `save_pretrained` uses to write the
-checkpoint layout, and must come out as names of the model's checkpoint.
+In-memory names are not always checkpoint names (transformers 5 fuses MoE
+experts): such a parameter goes through `rlserve.models.checkpoint_layout`
+and must come out as names of the model's checkpoint.
 """
 
 from __future__ import annotations
@@ -24,22 +19,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from rlserve.models.checkpoint_layout import to_checkpoint
 from rlserve.weights.buckets import to_host
 
 
 def hf_name(name: str) -> str:
     """The HF name of a parameter of `PolicyLogprobs` (activation checkpointing wraps layers)."""
     return name.removeprefix("lm.").replace("._checkpoint_wrapped_module", "")
-
-
-def checkpoint_tensors(lm: nn.Module, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The checkpoint-named tensors one in-memory parameter of `lm` is made of (fused experts split).
-
-    Each is a compact copy: a view into the fused parameter would pickle its whole storage.
-    """
-    from transformers.core_model_loading import revert_weight_conversion
-
-    return {k: v.contiguous().clone() for k, v in revert_weight_conversion(lm, {name: tensor}).items()}
 
 
 def export_weights(model: nn.Module, lm: nn.Module, export_names: set[str], tied: bool,
@@ -50,7 +36,7 @@ def export_weights(model: nn.Module, lm: nn.Module, export_names: set[str], tied
         if name == "lm_head.weight" and tied:
             continue
         full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-        parts = {name: full} if name in export_names else checkpoint_tensors(lm, name, full)
+        parts = {name: full} if name in export_names else to_checkpoint(lm, name, full)
         unknown = sorted(set(parts) - export_names)
         if unknown:
             raise ValueError(f"{name}: exports as {unknown[:4]}, not in the model's checkpoint layout")
