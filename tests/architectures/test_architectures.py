@@ -197,9 +197,11 @@ def test_dtensor_tp2_matches_one_rank(sp, root, dtensor_one_rank, record_propert
     for name in names:
         for rank in range(2):
             one, two = dtensor_one_rank[name], results[rank][name]
-            diff = max(max_diff(two["before"]["padded"], one["before"]["padded"]), max_diff(two["after"], one["after"]))
-            record_property(f"dtensor_{'tp2_sp' if sp else 'tp2'}_{name}_rank{rank}", diff)
-            assert diff < ATOL, (name, rank, diff)
+            before = max_diff(two["before"]["padded"], one["before"]["padded"])
+            after = max_diff(two["after"], one["after"])
+            record_property(f"dtensor_{'tp2_sp' if sp else 'tp2'}_{name}_rank{rank}", before)
+            record_property(f"dtensor_{'tp2_sp' if sp else 'tp2'}_after_step_{name}_rank{rank}", after)
+            assert before < ATOL and after < ATOL, (name, rank, before, after)
             assert two["loss"] == pytest.approx(one["loss"], abs=ATOL)
 
 

@@ -113,7 +113,8 @@ class VllmEngine(RolloutEngine):
         """An HF folder with the served model's config and tokenizer files, for the new weights."""
         folder = Path(tempfile.mkdtemp(prefix="rlserve-vllm-weights-"))
         for f in Path(self.cfg.model_path).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+            weights = f.name.endswith((".safetensors", ".bin")) or f.name == "model.safetensors.index.json"
+            if f.is_file() and not weights:
                 shutil.copy(f, folder / f.name)
         return folder
 

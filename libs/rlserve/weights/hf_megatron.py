@@ -1,7 +1,7 @@
 """Hugging Face <-> Megatron-Core GPTModel weights, as pure tensor functions.
 
 The project's interchange layout is HF parameter names exactly as they are in
-the safetensors checkpoint (Mixtral experts unfused: `...experts.3.w1.weight`),
+the safetensors checkpoint (MoE experts unfused: `...experts.3.w1.weight`),
 with full, unsharded tensors. Megatron-Core 0.16.1's GPTModel differs as
 follows, and this module undoes it (checked against the 0.16.1 source, and by
 the logits checks in `tests/unit/weights/test_hf_megatron.py`):
@@ -20,6 +20,15 @@ the logits checks in `tests/unit/weights/test_hf_megatron.py`):
   split on dim 1. Norms and the MoE router are replicated. RoPE is rotate-half
   in both (`rope_utils._rotate_half` with `rotary_interleaved=False`), so q/k
   rows need no permutation.
+
+Per architecture (`_MOE_NAMES`, `_QK_NORM`, `_FUSED_HF`): Qwen2 adds q/k/v
+biases (fused like the weights); Qwen3 and Qwen3-MoE add per-head q/k RMSNorm
+weights (`self_attention.q_layernorm`/`k_layernorm`, replicated); Phi3's HF
+checkpoint already fuses `qkv_proj` = [Q; K; V] (not grouped) and
+`gate_up_proj` = [gate; up], which are split before Megatron's own fusion and
+re-fused on the way back; Mixtral names experts `block_sparse_moe.experts.{e}.w1/w3/w2`
+and its router `block_sparse_moe.gate`, Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj`
+and `mlp.gate` (the checkpoint's names: transformers 5 fuses experts only in memory).
 
 Names follow the local layer spec; `use_te=True` gives the Transformer Engine
 spec's names (input norm at `self_attention.linear_qkv.layer_norm_weight`,

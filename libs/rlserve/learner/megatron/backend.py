@@ -141,8 +141,9 @@ class MegatronBackend(LearnerBackend):
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.pad_id = self.hf_config.pad_token_id or 0
 
-        self.tconfig = megatron_config_from_hf(self.hf_config, max_sequence_length=spec.policy.max_total_sequence_length,
-                                               **transformer_overrides(spec, self.layout, passthrough))
+        self.tconfig = megatron_config_from_hf(
+            self.hf_config, max_sequence_length=spec.policy.max_total_sequence_length,
+            **transformer_overrides(spec, self.layout, passthrough))
         self.gpt = self._build_model()
         self._build_training_stack(passthrough)
         self.exporter = Exporter(self.gpt, self.hf_config, self.use_te, self.tconfig.moe_grouped_gemm)
