@@ -201,8 +201,11 @@ def test_dtensor_tp2_matches_one_rank(sp, root, dtensor_one_rank, record_propert
             after = max_diff(two["after"], one["after"])
             record_property(f"dtensor_{'tp2_sp' if sp else 'tp2'}_{name}_rank{rank}", before)
             record_property(f"dtensor_{'tp2_sp' if sp else 'tp2'}_after_step_{name}_rank{rank}", after)
-            assert before < ATOL and after < ATOL, (name, rank, before, after)
+            assert before < 2e-5 and after < 2e-5, (name, rank, before, after)
             assert two["loss"] == pytest.approx(one["loss"], abs=ATOL)
+            # Adam's first step is lr * sign(grad): a partial gradient (a replicated weight whose
+            # gradient TP ranks did not sum) hides in the weights, not in the gradient norm.
+            assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), name
 
 
 # --- rollout (vLLM CPU) ---------------------------------------------------------------------------

@@ -172,10 +172,11 @@ def dtensor_runs(rank: int, world: int, names: list[str], root: str, tp: int, sp
         path = architecture_dir(name, root)
         backend = DTensorBackend(parse_spec(learner_spec(tp, sp)), path, torch.device("cpu"))
         before = {layout: _learner_logprobs(backend, batch, layout == "packed") for layout in ("padded", "packed")}
-        loss = backend.train_step(random_grpo_batch(1), "grpo").metrics["loss/total"]
+        metrics = backend.train_step(random_grpo_batch(1), "grpo").metrics
         exported = {n: t.clone() for n, t in backend.export_weights()}
         if export and rank == 0:
             write_hf_folder(Path(root) / f"{name}-step", exported, path, {"step": 1})
-        results[name] = {"before": before, "after": _learner_logprobs(backend, batch, False), "loss": loss}
+        results[name] = {"before": before, "after": _learner_logprobs(backend, batch, False),
+                         "loss": metrics["loss/total"], "grad_norm": metrics["policy/grad_norm"]}
         del backend
     return results

@@ -58,6 +58,21 @@ def replicated_blocks(lm: nn.Module) -> list[str]:
     return out
 
 
+def _head_norm_plan(attn: nn.Module) -> dict:
+    """Per-head norms inside split attention (Qwen3's and Gemma3's q_norm/k_norm).
+
+    Each TP rank normalises its own heads with a weight every head shares, so the weight's
+    gradient is a sum over all heads: over both ranks. Declaring the norm's input sharded (the
+    style named SequenceParallel) makes the weight a replicated DTensor whose gradient DTensor
+    all-reduces. Which non-last dim is declared does not matter to an RMSNorm over the last dim
+    (the weight gradient sums over every other element anyway); dim 1 is heads for Gemma3's
+    [b, heads, s, d] and the sequence for Qwen3's [b, s, heads, d]. transformers' own TP plan
+    marks these norms `replicated_with_grad_allreduce` for the same reason.
+    """
+    return {f"self_attn.{name}": SequenceParallel(sequence_dim=1, use_local_output=True)
+            for name, _ in attn.named_children() if name.endswith("norm")}
+
+
 def _block_plan(name: str, split: bool, projections: dict, sequence_parallel: bool, seq) -> dict:
     """One attention or MLP block: split projections, or a whole block between the TP regions."""
     plan = dict(projections) if split else {}
@@ -95,10 +110,10 @@ def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
     out_layout = seq if sequence_parallel else Replicate()
     for layer in decoder_layers(lm):
         row = {"output_layouts": out_layout, "use_local_output": not sequence_parallel}
-        plan = _block_plan("self_attn", "self_attn" not in whole, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**row)},
-            sequence_parallel, seq)
+        attention = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**row)}
+        attention.update(_head_norm_plan(layer.self_attn))
+        plan = _block_plan("self_attn", "self_attn" not in whole, attention, sequence_parallel, seq)
         plan.update(_block_plan("mlp", "mlp" not in whole, {
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(**row)}, sequence_parallel, seq))
