@@ -6,6 +6,8 @@ FSDP shards the already TP-sharded DTensors along the data-parallel dim.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -23,6 +25,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rlserve.config.spec import DTensorCfg
+from rlserve.logs import event
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
@@ -95,9 +100,9 @@ def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
     """Megatron-style TP on attention and MLP projections; embeddings and head stay replicated.
 
     Attention heads and KV groups are split across TP ranks (q/k/v column-wise, o row-wise);
-    HF's attention infers the local head count from the projection width, and per-head norms
-    (Qwen3's q_norm/k_norm) act on local heads unchanged. Blocks without separate projections
-    stay whole (`replicated_blocks`). With sequence parallel, every norm of the layer (Gemma's
+    HF's attention infers the local head count from the projection width; per-head norms act on
+    local heads with their gradient summed over ranks (`_head_norm_plan`). Blocks without
+    separate projections stay whole (`replicated_blocks`, logged). With sequence parallel, every norm of the layer (Gemma's
     sandwich norms included) and the residuals hold sequence shards between the TP regions.
     """
     tp = tp_mesh.size()
@@ -106,6 +111,9 @@ def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
     if "self_attn" not in whole and (heads % tp or kv_heads % tp):
         raise ValueError(f"tensor_parallel_size {tp} must divide the attention heads ({heads}) "
                          f"and KV heads ({kv_heads})")
+    if whole:
+        event(log, "learner.tp_blocks_whole", blocks=",".join(whole), model_type=lm.config.model_type,
+              reason="no separate projections (HF-fused or MoE experts); replicated over TP ranks")
     seq = Shard(1)
     out_layout = seq if sequence_parallel else Replicate()
     for layer in decoder_layers(lm):
