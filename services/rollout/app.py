@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from pathlib import Path
 
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
+from rlserve.config.spec import MAX_GENERATIONS_PER_PROMPT
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
-from rlserve.rollout.interfaces import EngineConfig, EngineSettings, SamplingSpec
-from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
+from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, SamplingSpec
+from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
+from rlserve.security.paths import PathsArgs
+from rlserve.threads import in_thread_to_the_end
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.follower import WeightFollower
 from rlserve.weights.specs import checkpoint_specs, fingerprint
@@ -39,11 +42,16 @@ class RolloutArgs(EngineSettings):
     model: str = "preset:tiny"
     model_seed: int = 0
     weight_store: str = DEFAULT_STORE_NAME
+    # UpdateWeights from a folder reads only inside the model directories and the runs directory.
+    paths: PathsArgs = PathsArgs()
+    # Bounds of one Generate request.
+    max_prompts: int = 100_000
+    max_samples: int = MAX_GENERATIONS_PER_PROMPT
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
-    if p.temperature < 0:
-        raise invalid_argument("sampling.temperature", f"must be >= 0, got {p.temperature}")
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise invalid_argument("sampling.temperature", f"must be a finite number >= 0, got {p.temperature}")
     if not 0 <= p.top_p <= 1:
         raise invalid_argument("sampling.top_p", f"must be in [0, 1], got {p.top_p}")
     if p.max_new_tokens <= 0:
@@ -64,6 +72,7 @@ class Rollout:
     def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = RolloutArgs.model_validate(args or {})
+        self.paths = self.args.paths.policy()
         model_path = resolve_model(self.args.model, self.args.model_seed)
         settings = self.args.model_dump(include=set(EngineSettings.model_fields))
         self.engine = make_engine(self.args.engine, EngineConfig(model_path=model_path, **settings))
@@ -82,6 +91,9 @@ class Rollout:
     def _prompts(self, request: rollout_pb2.GenerateRequest, max_new_tokens: int) -> list[list[int]]:
         if not request.prompts:
             raise invalid_argument("prompts", "empty request: give at least one prompt")
+        if len(request.prompts) > self.args.max_prompts:
+            raise invalid_argument("prompts", f"{len(request.prompts)} prompts; at most {self.args.max_prompts} "
+                                              f"in one request")
         prompts = []
         for i, p in enumerate(request.prompts):
             kind = p.WhichOneof("content")
@@ -101,8 +113,8 @@ class Rollout:
     @grpc_method
     async def Generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         sampling = sampling_from_proto(request.sampling)
-        if request.num_samples < 0:
-            raise invalid_argument("num_samples", f"must be >= 0, got {request.num_samples}")
+        if not 0 <= request.num_samples <= self.args.max_samples:
+            raise invalid_argument("num_samples", f"must be in 0..{self.args.max_samples}, got {request.num_samples}")
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
         async with self.lock:
@@ -113,10 +125,15 @@ class Rollout:
                                           f"not {request.run_id!r}")
             version = self.weights.version
             if version < request.min_weight_version:
-                raise failed_precondition(f"weight version {request.min_weight_version} is not published "
-                                          f"(newest: {version})")
+                # The run's weights are gone from here (the weight store was lost): the caller must
+                # publish them again, which retrying this call cannot do.
+                raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
+                              f"serves {version})")
             t0 = time.perf_counter()
-            outputs = await asyncio.to_thread(self.engine.generate, prompts, n, sampling)
+            try:
+                outputs = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling)
+            except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
+                raise invalid_argument("sampling", str(err)) from None
             engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[
@@ -133,7 +150,8 @@ class Rollout:
             raise invalid_argument("source", "give store_name or safetensors_path")
         async with self.lock:
             if source == "safetensors_path":
-                await self.weights.publish_folder(Path(request.safetensors_path), request.version, request.force)
+                folder = self.paths.model("safetensors_path", request.safetensors_path)
+                await self.weights.publish_folder(folder, request.version, request.force)
             elif request.store_name != self.args.weight_store:
                 raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
             applied = await self.weights.update_to(request.version)

@@ -57,11 +57,15 @@ def attn_implementation(config) -> str | None:
     return None
 
 
-def load_causal_lm(path: Path | str, dtype: torch.dtype) -> torch.nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` with the attention kernel the architecture needs."""
+def load_causal_lm(path: Path | str, dtype: torch.dtype, attn: str | None = None) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` with the attention kernel the architecture needs.
+
+    `attn` is the caller's preferred kernel (for example the dtensor learner's maskless one), used
+    only when the architecture does not need a particular one.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    impl = attn_implementation(AutoConfig.from_pretrained(path))
+    impl = attn_implementation(AutoConfig.from_pretrained(path)) or attn
     kwargs = {"attn_implementation": impl} if impl else {}
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
 

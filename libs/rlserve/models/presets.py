@@ -4,9 +4,13 @@
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
 reload used to leave a tied output layer stale), `small` is for CPU benchmarks, `1b`
-for GPU benchmarks, `moe-tiny` exercises the Mixtral-shaped MoE path of
-the Megatron backend, and `qwen3-moe-tiny` is a Qwen3-MoE (q/k norms, 4
-experts, top-2 renormalised) for end-to-end MoE runs through either backend.
+for GPU benchmarks, `1b-152k` is `1b` with a Qwen-sized vocabulary (151,936
+entries, 0.31B parameters in the output layer alone) where the logprob and
+entropy memory dominates, `tiny-chat` is `tiny` with a byte-level BPE
+tokenizer, a chat template and two EOS ids (what a real chat model brings),
+`moe-tiny` exercises the Mixtral-shaped MoE path of the Megatron backend, and
+`qwen3-moe-tiny` is a Qwen3-MoE (q/k norms, 4 experts, top-2 renormalised) for
+end-to-end MoE runs through either backend.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class ModelPreset:
     num_experts: int = 0
     experts_per_token: int = 0
     rope_theta: float = 10000.0
+    # "char" (one token per symbol of the built-in tasks) or "bpe-chat" (byte-level BPE with a
+    # chat template and two EOS ids, see rlserve.models.bpe).
+    tokenizer: str = "char"
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -39,6 +46,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("tiny", "llama", 192, 2, 6, 2, 768, 256, False),
         ModelPreset("small", "llama", 512, 8, 8, 4, 1536, 512, False, padded_vocab_size=4096),
         ModelPreset("1b", "llama", 2048, 16, 16, 8, 5632, 4096, False, padded_vocab_size=32000),
+        ModelPreset("1b-152k", "llama", 2048, 16, 16, 8, 5632, 32768, False, padded_vocab_size=151936),
+        ModelPreset("tiny-chat", "llama", 192, 2, 6, 2, 768, 256, False, tokenizer="bpe-chat"),
         ModelPreset("moe-tiny", "mixtral", 128, 2, 4, 2, 256, 256, False, num_experts=4, experts_per_token=2),
         ModelPreset("qwen3-moe-tiny", "qwen3_moe", 128, 2, 4, 2, 128, 256, False, num_experts=4,
                     experts_per_token=2),

@@ -12,6 +12,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class InvalidRequest(ValueError):
+    """The engine's own validation refused a request (vLLM's sampling checks, say): the caller's
+    mistake, answered INVALID_ARGUMENT and never retried."""
+
+
 class EngineSettings(BaseModel):
     """How an engine is started (the rollout app's deploy arguments hold these; defaults live here)."""
 
@@ -71,7 +76,7 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        """`n` samples for each prompt, in prompt order."""
+        """`n` samples for each prompt, in prompt order; InvalidRequest if the engine refuses the request."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

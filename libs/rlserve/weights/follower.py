@@ -10,7 +10,6 @@ can leave vLLM broken), and the old weights keep serving on any error.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine
 from rlserve.rpc import RpcError, failed_precondition, invalid_argument, unavailable
+from rlserve.threads import in_thread_to_the_end
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
 from rlserve.weights.store import Publication
 
@@ -65,7 +65,7 @@ class WeightFollower:
         head = await self.store.head.remote()
         if head is not None and head[0] > self.publish_id:
             pub = await self.store.latest.remote()
-            await asyncio.to_thread(self.apply, pub)
+            await in_thread_to_the_end(self.apply, pub)
 
     async def update_to(self, version: int) -> Applied | None:
         """Load `version`, which must be the newest publication; None when it is already loaded."""
@@ -75,7 +75,7 @@ class WeightFollower:
             raise failed_precondition(f"version {version} is not the newest publication ({have})")
         if pub.publish_id == self.publish_id:
             return None
-        return await asyncio.to_thread(self.apply, pub)
+        return await in_thread_to_the_end(self.apply, pub)
 
     async def publish_folder(self, path: Path, version: int, force: bool) -> None:
         """Publish a folder of HF-named safetensors (checked first), so that every replica moves to it."""

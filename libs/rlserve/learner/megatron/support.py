@@ -15,12 +15,13 @@ forward (checked to 1e-4 in fp32 per architecture by
 - Not Gemma2/Gemma3: their (1 + w) RMSNorm, sqrt(hidden)-scaled embeddings,
   pre/post sandwich norms, GeLU-tanh MLP, attention and final-logit
   soft-capping and per-layer sliding windows have no GPTModel setting.
-- Not a sliding window shorter than the run's sequences: megatron-core
-  0.16.1's local spec applies its window mask in place of the attention mask
-  it is given (`FusedScaleMaskSoftmax.forward_torch_softmax`), which would let
-  packed sequences attend across each other, and the Transformer Engine path
-  is unverified here. A window at least as long as the longest sequence of the
-  run changes nothing and passes.
+- Not a sliding window shorter than the run's sequences: the window is not
+  mapped. Packed rows attend per sequence through
+  `rlserve.training.attention` (causal, no window), and megatron-core 0.16.1's
+  own windowed path on the local spec applies its window mask in place of the
+  attention mask it is given (`FusedScaleMaskSoftmax.forward_torch_softmax`);
+  the Transformer Engine path is unverified here. A window at least as long
+  as the longest sequence of the run changes nothing and passes.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def unsupported_reasons(hf_config, max_sequence_length: int | None = None) -> li
     window = sliding_window(hf_config)
     length = max_sequence_length or hf_config.max_position_embeddings
     if window is not None and window < length:
-        reasons.append(f"sliding_window {window} is shorter than the run's sequences ({length} tokens): the local "
-                       f"layer spec's window mask replaces the packed-sequence mask")
+        reasons.append(f"sliding_window {window} is shorter than the run's sequences ({length} tokens): the megatron "
+                       f"backend attends causally over whole sequences (windows are not mapped)")
     if not OutputLogits.from_config(hf_config).identity:
         reasons.append("final-logit soft-capping/scaling is not applied by the megatron loss")
     try:
