@@ -27,9 +27,10 @@ def client(test_cluster):
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    """The served tiny model (same weights, so the rollout accepts it) as a chat model with two EOS ids."""
-    path = tmp_path_factory.mktemp("chat-model") / "model"
+def chat_model(test_cluster):
+    """The served tiny model (same weights, so the rollout accepts it) as a chat model with two EOS ids,
+    in the cluster's model directory."""
+    path = test_cluster.models_dir / "chat-model"
     shutil.copytree(resolve_model("preset:tiny"), path)
     for name in ("config.json", "generation_config.json"):
         config = json.loads((path / name).read_text())
