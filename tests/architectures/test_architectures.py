@@ -65,11 +65,12 @@ def expected(root) -> dict[str, list[list[float]]]:
 # --- megatron -----------------------------------------------------------------------------------
 
 def _megatron_logprobs(name: str, root: str, tp: int) -> tuple[torch.Tensor, list[list[float]]]:
-    """Full-vocab logits of `sequences()[0]` and the loss's logprobs of every sequence, this rank's shard."""
+    """GPTModel's full-vocab logits of `sequences()[0]`, and the megatron loss path's logprobs of every
+    sequence (final hidden states from the deferred output layer, projected by `vocab_parallel_logprobs`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rlserve.learner.megatron.forward import vocab_parallel_logprobs
+    from rlserve.learner.megatron.forward import defer_output_layer, output_weight, vocab_parallel_logprobs
     from rlserve.learner.megatron.model import build_gpt_model, load_megatron_state, megatron_config_from_hf
 
     path = architecture_dir(name, root)
@@ -79,21 +80,25 @@ def _megatron_logprobs(name: str, root: str, tp: int) -> tuple[torch.Tensor, lis
     gpt = build_gpt_model(config, tc).eval()
     load_megatron_state(gpt, hf_to_megatron(load_file(str(path / "model.safetensors")), config, tp,
                                             ps.get_tensor_model_parallel_rank()))
-    logprobs, first_logits = [], None
-    for ids, p in sequences():
-        ids_t = torch.tensor([ids])
+
+    def forward(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            logits = gpt(input_ids=ids_t, position_ids=torch.arange(len(ids))[None], attention_mask=None)[0]
-            # (vocab_parallel_cross_entropy overwrites its input: give it a copy)
-            logprobs.append(vocab_parallel_logprobs(logits[p - 1:-1].clone(), ids_t[0, p:], config.vocab_size,
-                                                    with_entropy=False)[0].tolist())
-        if first_logits is None:
-            first_logits = logits
-            if tp > 1:
-                pieces = [torch.empty_like(logits) for _ in range(tp)]
-                dist.all_gather(pieces, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
-                first_logits = torch.cat(pieces, dim=-1)
-    return first_logits[..., :config.vocab_size], logprobs
+            return gpt(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
+                       attention_mask=None)[0]
+
+    logits = forward(sequences()[0][0])
+    if tp > 1:
+        pieces = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(pieces, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(pieces, dim=-1)
+    defer_output_layer(gpt)
+    logprobs = []
+    for ids, p in sequences():
+        hidden = forward(ids)
+        with torch.no_grad():
+            logprobs.append(vocab_parallel_logprobs(hidden[p - 1:-1], output_weight(gpt), torch.tensor(ids[p:]),
+                                                    config.vocab_size, with_entropy=False)[0].tolist())
+    return logits[..., :config.vocab_size], logprobs
 
 
 @pytest.mark.parametrize("name", NAMES)

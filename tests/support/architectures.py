@@ -149,7 +149,7 @@ def _learner_logprobs(backend, batch, packed: bool) -> list[list[float]]:
     from rlserve.training.batch import rank_micro_batches
 
     (mb,) = rank_micro_batches(batch, list(range(batch.num_seqs)), 0, 1, packed=packed, micro_batch_size=8,
-                               mb_tokens=64, pad_id=backend.pad_id)
+                               mb_tokens=64, algorithm="balanced", pad_id=backend.pad_id)
     flat = backend.model(mb, with_entropy=False)[0].tolist()
     cuts = [0] + batch.completion_lens.cumsum(0).tolist()
     return [flat[a:b] for a, b in zip(cuts, cuts[1:])]
