@@ -16,6 +16,8 @@ Numbers are fp32. Measured maxima go to the JUnit report (`record_property`).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,19 @@ NAMES = list(ARCHITECTURES)
 RUN_LENGTH = 128  # the run's max_total_sequence_length for the megatron support check
 # What the megatron backend refuses, and a word its reason must contain.
 MEGATRON_REFUSED = {"gemma2": "soft-capping", "gemma3": "Gemma3", "mistral-window": "sliding_window"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """vLLM's in-process engine initialises torch.distributed (world size 1) and keeps it after the
+    engine is gone; tear it down after this module, so that later tests (tests/distributed's megatron
+    fixtures) can start their own group in this process."""
+    yield
+    if "vllm" in sys.modules:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
 
 
 @pytest.fixture(scope="module")
