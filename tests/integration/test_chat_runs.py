@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import grpc
 import pytest
 
 from rlserve.clients.coordinator import CoordinatorClient
@@ -53,8 +52,10 @@ def test_a_chat_model_with_several_eos_ids_runs(client, chat_model):
     assert json.load(open(f"{final}/generation_config.json"))["eos_token_id"] == [2, 3]
 
 
-def test_chat_format_without_a_template_is_refused_at_submit(client):
-    with pytest.raises(grpc.RpcError) as err:
-        client.submit(spec(data__prompt_format="chat"))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "data.prompt_format" in err.value.details()
+def test_chat_format_without_a_template_fails_in_preflight(client):
+    """The check needs the model's tokenizer, so it runs off the request path, before the run takes the learner."""
+    run = client.submit(spec(data__prompt_format="chat"))
+    events_until_end(client, run.run_id)
+    run = client.get(run.run_id)
+    assert run.state == pb.RUN_STATE_FAILED and run.step == 0 and run.ledger.generated == 0
+    assert run.error.startswith("preflight: FAILED_PRECONDITION:") and "data.prompt_format" in run.error
