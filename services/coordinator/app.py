@@ -3,7 +3,8 @@
 SubmitRun answers quickly and never builds a data set or a model in the
 request handler: it checks what is cheap (the spec and its bounds, the run
 id, that named files lie in the cluster's directories and named plug-ins and
-reward servers are allow-listed, the rollout's model length) and queues the
+reward servers are allow-listed, the rollout's model length, and whether the
+learner backend can train the model, from its config alone) and queues the
 run. A preflight then checks, off the request path and within
 `preflight_timeout_s`, what needs the model or the data (the architecture
 against the rollout's, prompt lengths on a bounded sample, the reward
@@ -16,17 +17,21 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import logging
+from pathlib import Path
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
+from transformers import AutoConfig
 
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
+from rlserve.learner.registry import UnsupportedModel, check_model
 from rlserve.logs import setup_logging
-from rlserve.models import resolve_model
+from rlserve.models import get_preset, resolve_model
+from rlserve.models.factory import architecture_config
 from rlserve.rollout.deployed import match_generation
 from rlserve.rpc import failed_precondition, grpc_method, invalid_argument, permission_denied
 from rlserve.security.paths import PathsArgs
@@ -109,6 +114,14 @@ class Coordinator:
                                     f"in the cluster file")
         spec = spec.model_copy(deep=True)
         spec.policy.model_name = self.paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
+        try:
+            config = await asyncio.to_thread(_model_config, spec.policy.model_name)
+        except (OSError, ValueError) as err:
+            raise invalid_argument("spec_yaml: policy.model_name", str(err)) from None
+        try:
+            check_model(spec, config)
+        except UnsupportedModel as err:
+            raise failed_precondition(str(err)) from None
         for key in ("train_path", "val_path"):
             value = getattr(spec.data, key)
             if value is None:
@@ -200,6 +213,14 @@ class Coordinator:
         run = self.manager.get(request.run_id)
         async for ev in run.watch(request.from_sequence):
             yield pb.WatchRunResponse(event=ev)
+
+
+def _model_config(model_name: str):
+    """The HF config of `policy.model_name` without building the model: the folder's config.json, or a
+    preset's architecture (`architecture_config`)."""
+    if model_name.startswith("preset:"):
+        return architecture_config(get_preset(model_name.removeprefix("preset:")))
+    return AutoConfig.from_pretrained(Path(model_name))
 
 
 def build(args: dict) -> serve.Application:

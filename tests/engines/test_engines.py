@@ -67,15 +67,6 @@ def test_in_place_update_switches_to_the_new_model(vllm_engine, tmp_path):
     assert max_logprob_error(out, base) < 1e-4
 
 
-def test_tied_embeddings_are_refused_on_cpu(tmp_path):
-    from dataclasses import replace
-
-    tied = make_model(replace(get_preset("tiny"), tie_word_embeddings=True), tmp_path / "tied")
-    engine = make_engine("vllm", EngineConfig(model_path=tied))
-    with pytest.raises(ValueError, match="tied embeddings"):
-        engine.load_weights(load_file(tied / "model.safetensors").items())
-
-
 def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():
     from vllm.tokenizers import get_tokenizer
 
@@ -91,4 +82,3 @@ def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():
         == ours.prompt_ids(ex)
     assert tok.encode("What is 47+85?", add_special_tokens=False) == ours.encode("What is 47+85?")
     assert tok.eos_token_id == ours.eos_ids[0]
-

@@ -106,12 +106,25 @@ def test_cancel_stops_a_run_and_the_services_stay_usable(client):
      "policy.generation.vllm_cfg.max_model_len: the run asks for 1024 but the rollout service runs 128"),
     (spec(checkpointing__checkpoint_dir="/tmp/elsewhere"), grpc.StatusCode.INVALID_ARGUMENT,
      "checkpointing.checkpoint_dir: not supported"),
+    # tiny has 2 KV heads: the dtensor plan cannot split them 4 ways.
+    (spec(policy__dtensor_cfg__tensor_parallel_size=4, cluster__num_workers=4), grpc.StatusCode.FAILED_PRECONDITION,
+     "policy.dtensor_cfg.tensor_parallel_size 4 exceeds the model's 2 KV heads"),
 ])
 def test_bad_specs_are_refused_naming_the_field(client, text, code, field):
     with pytest.raises(grpc.RpcError) as err:
         client.submit(text)
     assert err.value.code() == code
     assert field in err.value.details()
+
+
+def test_megatron_refuses_an_architecture_it_cannot_reproduce_at_submit(client, test_cluster):
+    from tests.support.architectures import make_architecture
+
+    gemma = make_architecture("gemma2", test_cluster.models_dir / "gemma2")
+    with pytest.raises(grpc.RpcError) as err:
+        client.submit(spec(policy__model_name=str(gemma), policy__megatron_cfg={"enabled": True}))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "policy.megatron_cfg" in err.value.details() and "policy.dtensor_cfg" in err.value.details()
 
 
 def test_a_run_that_cannot_work_fails_in_its_preflight(client):

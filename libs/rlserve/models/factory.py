@@ -1,4 +1,4 @@
-"""Write a generated Llama/Mixtral-shaped model as a Hugging Face folder.
+"""Write a generated Llama/Mixtral/Qwen3-MoE-shaped model as a Hugging Face folder.
 
 The folder is what every engine loads: transformers (learner, reference),
 vLLM (rollout) and the HF->Megatron converter. Weights are deterministic in
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
+from transformers import LlamaConfig, MixtralConfig, PretrainedConfig, Qwen3MoeConfig
 
 from rlserve.models.bpe import save_bpe_tokenizer
 from rlserve.models.presets import ModelPreset
@@ -45,7 +45,21 @@ def hf_config(preset: ModelPreset, ids: SpecialIds) -> PretrainedConfig:
         return MixtralConfig(
             **common, num_local_experts=preset.num_experts, num_experts_per_tok=preset.experts_per_token
         )
-    raise ValueError(f"unknown architecture {preset.architecture!r}; valid: llama, mixtral")
+    if preset.architecture == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=preset.hidden_size // preset.num_heads, num_experts=preset.num_experts,
+                              num_experts_per_tok=preset.experts_per_token, moe_intermediate_size=preset.ffn_size,
+                              norm_topk_prob=True)
+    raise ValueError(f"unknown architecture {preset.architecture!r}; valid: llama, mixtral, qwen3_moe")
+
+
+def architecture_config(preset: ModelPreset) -> PretrainedConfig:
+    """The preset's config without generating its tokenizer or weights (cheap, for request handlers).
+
+    The architecture is exactly the generated model's; the vocabulary and special ids are
+    placeholders, so use it only for checks that read the architecture (the learner backends'
+    `rlserve.learner.registry.check_model`).
+    """
+    return hf_config(preset, SpecialIds(vocab_size=256, bos=0, eos=[1], pad=2))
 
 
 def make_model(preset: ModelPreset, out_dir: Path, seed: int = 0) -> Path:

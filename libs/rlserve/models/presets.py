@@ -3,12 +3,14 @@
 `tiny` is the demo/test model (`make demo` learns with it on 2 cores; 32-wide
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
-reload leaves a tied output layer stale), `small` is for CPU benchmarks, `1b`
+reload used to leave a tied output layer stale), `small` is for CPU benchmarks, `1b`
 for GPU benchmarks, `1b-152k` is `1b` with a Qwen-sized vocabulary (151,936
 entries, 0.31B parameters in the output layer alone) where the logprob and
 entropy memory dominates, `tiny-chat` is `tiny` with a byte-level BPE
 tokenizer, a chat template and two EOS ids (what a real chat model brings),
-and `moe-tiny` exercises the Mixtral-shaped MoE path of the Megatron backend.
+`moe-tiny` exercises the Mixtral-shaped MoE path of the Megatron backend, and
+`qwen3-moe-tiny` is a Qwen3-MoE (q/k norms, 4 experts, top-2 renormalised) for
+end-to-end MoE runs through either backend.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ModelPreset:
     name: str
-    architecture: str  # "llama" or "mixtral"
+    architecture: str  # "llama", "mixtral" or "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -47,6 +49,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("1b-152k", "llama", 2048, 16, 16, 8, 5632, 32768, False, padded_vocab_size=151936),
         ModelPreset("tiny-chat", "llama", 192, 2, 6, 2, 768, 256, False, tokenizer="bpe-chat"),
         ModelPreset("moe-tiny", "mixtral", 128, 2, 4, 2, 256, 256, False, num_experts=4, experts_per_token=2),
+        ModelPreset("qwen3-moe-tiny", "qwen3_moe", 128, 2, 4, 2, 128, 256, False, num_experts=4,
+                    experts_per_token=2),
     )
 }
 

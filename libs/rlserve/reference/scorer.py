@@ -1,4 +1,9 @@
-"""Logprobs of given sequences under a frozen causal LM (transformers), batched by a token budget."""
+"""Logprobs of given sequences under a frozen causal LM (transformers), batched by a token budget.
+
+The decoder runs with the attention kernel the architecture needs and only completion positions
+are projected onto the vocabulary, followed by the model's own logit soft-capping or scaling
+(`rlserve.models.architecture`): the numbers are those of the model's ForCausalLM forward.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.forward import completion_positions, gather_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -20,10 +26,9 @@ class Sequence:
 
 class ReferenceScorer:
     def __init__(self, model_path: Path, dtype: str = "float32", token_budget: int = 8192):
-        from transformers import AutoModelForCausalLM
-
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device).eval()
+        self.model = load_causal_lm(model_path, _DTYPES[dtype]).to(self.device).eval()
+        self.output_logits = OutputLogits.from_config(self.model.config)
         self.model_path = str(model_path)
         self.vocab_size = self.model.config.vocab_size
         self.max_len = self.model.config.max_position_embeddings
@@ -61,7 +66,8 @@ class ReferenceScorer:
             ids, attn, completion = ids.to(self.device), attn.to(self.device), completion.to(self.device)
             hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
             select = completion_positions(completion)
-            lps, _ = gather_logprobs(hidden[select], head, ids[completion])
+            lps, _ = gather_logprobs(hidden[select], head, ids[completion],
+                                     logits_fn=None if self.output_logits.identity else self.output_logits)
             lps = lps.cpu().tolist()
             offset = 0
             for row, i in enumerate(batch):

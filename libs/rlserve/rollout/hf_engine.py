@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlserve.models.architecture import load_causal_lm
+from rlserve.models.checkpoint_layout import load_from_checkpoint
 from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -21,15 +23,18 @@ class TransformersEngine(RolloutEngine):
     name = "transformers"
 
     def __init__(self, cfg: EngineConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=_DTYPES[cfg.dtype]).to(self.device)
+        self.model = load_causal_lm(cfg.model_path, _DTYPES[cfg.dtype]).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        # Every EOS id of the model (Llama-3.x-Instruct lists several in its generation config), as
+        # vLLM stops on them all.
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
@@ -43,7 +48,7 @@ class TransformersEngine(RolloutEngine):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention[i, width - len(ids):] = 1
         greedy = sampling.temperature == 0
-        stop_ids = {self.eos_id, *sampling.stop_token_ids}
+        stop_ids = {*self.eos_ids, *sampling.stop_token_ids}
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
@@ -88,16 +93,9 @@ class TransformersEngine(RolloutEngine):
             state.update(load_file(f))
         self._load_checkpoint_state(state)
 
-    @torch.no_grad()
     def _load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy checkpoint-named tensors into the live model (tied weights follow the embedding)."""
-        params = dict(self.model.named_parameters())
-        for name, tensor in state.items():
-            target = params.get(name)
-            if target is None:
-                raise KeyError(f"{name}: no such parameter in the transformers model "
-                               f"(fused-expert MoE checkpoints need the vLLM engine)")
-            target.copy_(tensor.to(target.dtype))
+        """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included)."""
+        load_from_checkpoint(self.model, state)
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

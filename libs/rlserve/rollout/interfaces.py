@@ -30,6 +30,9 @@ class EngineSettings(BaseModel):
     enforce_eager: bool = True
     # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE), whole GiB.
     kv_cache_gb: int = Field(1, ge=1)
+    # vLLM weight updates: "auto" reloads in place where that is known to be correct (vllm_reload)
+    # and rebuilds the engine otherwise; "rebuild" always starts an engine on the new weights (slow).
+    weight_reload: Literal["auto", "rebuild"] = "auto"
 
 
 class EngineConfig(EngineSettings):

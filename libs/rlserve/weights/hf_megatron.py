@@ -1,7 +1,7 @@
 """Hugging Face <-> Megatron-Core GPTModel weights, as pure tensor functions.
 
 The project's interchange layout is HF parameter names exactly as they are in
-the safetensors checkpoint (Mixtral experts unfused: `...experts.3.w1.weight`),
+the safetensors checkpoint (MoE experts unfused: `...experts.3.w1.weight`),
 with full, unsharded tensors. Megatron-Core 0.16.1's GPTModel differs as
 follows, and this module undoes it (checked against the 0.16.1 source, and by
 the logits checks in `tests/unit/weights/test_hf_megatron.py`):
@@ -20,6 +20,15 @@ the logits checks in `tests/unit/weights/test_hf_megatron.py`):
   split on dim 1. Norms and the MoE router are replicated. RoPE is rotate-half
   in both (`rope_utils._rotate_half` with `rotary_interleaved=False`), so q/k
   rows need no permutation.
+
+Per architecture (`_MOE_NAMES`, `_QK_NORM`, `_FUSED_HF`): Qwen2 adds q/k/v
+biases (fused like the weights); Qwen3 and Qwen3-MoE add per-head q/k RMSNorm
+weights (`self_attention.q_layernorm`/`k_layernorm`, replicated); Phi3's HF
+checkpoint already fuses `qkv_proj` = [Q; K; V] (not grouped) and
+`gate_up_proj` = [gate; up], which are split before Megatron's own fusion and
+re-fused on the way back; Mixtral names experts `block_sparse_moe.experts.{e}.w1/w3/w2`
+and its router `block_sparse_moe.gate`, Qwen3-MoE `mlp.experts.{e}.gate_proj/up_proj/down_proj`
+and `mlp.gate` (the checkpoint's names: transformers 5 fuses experts only in memory).
 
 Names follow the local layer spec; `use_te=True` gives the Transformer Engine
 spec's names (input norm at `self_attention.linear_qkv.layer_norm_weight`,
@@ -53,7 +62,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+from rlserve.models.architecture import num_experts
+
+# model_type -> (MoE block prefix, router name, expert weight names (gate, up, down)) for MoE models.
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")),
+}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *_MOE_NAMES)
+_QK_NORM = ("qwen3", "qwen3_moe")  # per-head RMSNorm on q and k (megatron's q_layernorm / k_layernorm)
+_FUSED_HF = ("phi3",)  # HF fuses qkv_proj ([Q; K; V]) and gate_up_proj ([gate; up]) itself
 
 # How one Megatron parameter is split over its TP (or expert-TP) group.
 _REPLICATED, _ROW, _VOCAB, _QKV, _FC1 = "replicated", "row", "vocab", "qkv", "fc1"
@@ -62,7 +80,7 @@ _REPLICATED, _ROW, _VOCAB, _QKV, _FC1 = "replicated", "row", "vocab", "qkv", "fc
 @dataclass(frozen=True)
 class _Rule:
     mcore: str  # Megatron name; for experts a template whose `{j}` is the local expert index
-    hf: tuple[str, ...]  # HF names this parameter is made of, in fusion order
+    hf: tuple[str, ...]  # HF names this parameter is made of, in fusion order (one name: HF fused them too)
     kind: str
     expert: int | None = None  # global expert index for MoE expert weights
 
@@ -79,7 +97,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 1) -> i
 
 
 def _is_moe(hf_config) -> bool:
-    return hf_config.model_type == "mixtral"
+    return hf_config.model_type in _MOE_NAMES
 
 
 def _check_supported(hf_config) -> None:
@@ -93,31 +111,43 @@ def _head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def _layer_rules(model_type: str, i: int, experts: int, use_te: bool, moe_grouped_gemm: bool) -> list[_Rule]:
-    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+def _attention_rules(model_type: str, hf: str, mc: str) -> list[_Rule]:
     attn = hf + "self_attn."
+    qkv = (attn + "qkv_proj.weight",) if model_type in _FUSED_HF else \
+        (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight")
     rules = [
-        _Rule(mc + ("self_attention.linear_qkv.layer_norm_weight" if use_te else "input_layernorm.weight"),
-              (hf + "input_layernorm.weight",), _REPLICATED),
-        _Rule(mc + "self_attention.linear_qkv.weight",
-              (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), _QKV),
+        _Rule(mc + "self_attention.linear_qkv.weight", qkv, _QKV),
         _Rule(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), _ROW),
     ]
     if model_type == "qwen2":  # q/k/v biases, no o_proj bias
         rules.append(_Rule(mc + "self_attention.linear_qkv.bias",
                            (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), _QKV))
+    if model_type in _QK_NORM:
+        rules += [_Rule(mc + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), _REPLICATED),
+                  _Rule(mc + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), _REPLICATED)]
+    return rules
+
+
+def _layer_rules(model_type: str, i: int, experts: int, use_te: bool, moe_grouped_gemm: bool) -> list[_Rule]:
+    hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+    rules = [_Rule(mc + ("self_attention.linear_qkv.layer_norm_weight" if use_te else "input_layernorm.weight"),
+                   (hf + "input_layernorm.weight",), _REPLICATED)]
+    rules += _attention_rules(model_type, hf, mc)
     if not experts:
+        gate_up = (hf + "mlp.gate_up_proj.weight",) if model_type in _FUSED_HF else \
+            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
         rules += [
             _Rule(mc + ("mlp.linear_fc1.layer_norm_weight" if use_te else "pre_mlp_layernorm.weight"),
                   (hf + "post_attention_layernorm.weight",), _REPLICATED),
-            _Rule(mc + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"), _FC1),
+            _Rule(mc + "mlp.linear_fc1.weight", gate_up, _FC1),
             _Rule(mc + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), _ROW),
         ]
         return rules
-    moe = hf + "block_sparse_moe."
+    block, router, (gate, up, down) = _MOE_NAMES[model_type]
+    moe = hf + block
     rules += [
         _Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), _REPLICATED),
-        _Rule(mc + "mlp.router.weight", (moe + "gate.weight",), _REPLICATED),
+        _Rule(mc + "mlp.router.weight", (moe + router,), _REPLICATED),
     ]
     for e in range(experts):
         w = f"{moe}experts.{e}."
@@ -128,8 +158,8 @@ def _layer_rules(model_type: str, i: int, experts: int, use_te: bool, moe_groupe
             fc1 = f"{mc}mlp.experts.local_experts.{{j}}.linear_fc1.weight"
             fc2 = f"{mc}mlp.experts.local_experts.{{j}}.linear_fc2.weight"
         rules += [
-            _Rule(fc1, (w + "w1.weight", w + "w3.weight"), _FC1, expert=e),
-            _Rule(fc2, (w + "w2.weight",), _ROW, expert=e),
+            _Rule(fc1, (f"{w}{gate}.weight", f"{w}{up}.weight"), _FC1, expert=e),
+            _Rule(fc2, (f"{w}{down}.weight",), _ROW, expert=e),
         ]
     return rules
 
@@ -138,7 +168,7 @@ def _rules_key(hf_config, use_te: bool, moe_grouped_gemm: bool) -> tuple:
     _check_supported(hf_config)
     if moe_grouped_gemm and not use_te:
         raise NotImplementedError("moe_grouped_gemm names are those of the TE spec (TEGroupedMLP); use use_te=True")
-    experts = hf_config.num_local_experts if _is_moe(hf_config) else 0
+    experts = num_experts(hf_config) if _is_moe(hf_config) else 0
     return (hf_config.model_type, hf_config.num_hidden_layers, experts, bool(hf_config.tie_word_embeddings),
             use_te, moe_grouped_gemm)
 
@@ -173,6 +203,12 @@ def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, hf_config) -> Tensor:
     return torch.cat(parts, dim=1).reshape(-1, *tail)
 
 
+def _split_hf_qkv(qkv: Tensor, hf_config) -> list[Tensor]:
+    """HF's own fused projection (Phi3 `qkv_proj`): [Q; K; V] rows, not grouped."""
+    d, kv = _head_dim(hf_config), hf_config.num_key_value_heads
+    return list(qkv.split([hf_config.num_attention_heads * d, kv * d, kv * d], dim=0))
+
+
 def _split_qkv(fused: Tensor, hf_config) -> tuple[Tensor, Tensor, Tensor]:
     groups, d = hf_config.num_key_value_heads, _head_dim(hf_config)
     r = hf_config.num_attention_heads // groups
@@ -193,9 +229,10 @@ def _to_shard(rule: _Rule, tensors: list[Tensor], hf_config, tp_size: int, tp_ra
     if rule.kind == _ROW:
         return _chunk(tensors[0], tp_size, tp_rank, dim=1)
     if rule.kind == _QKV:
-        return _chunk(_fuse_qkv(*tensors, hf_config), tp_size, tp_rank, dim=0)
+        parts = _split_hf_qkv(tensors[0], hf_config) if len(tensors) == 1 else tensors
+        return _chunk(_fuse_qkv(*parts, hf_config), tp_size, tp_rank, dim=0)
     if rule.kind == _FC1:
-        gate, up = tensors
+        gate, up = tensors[0].chunk(2, dim=0) if len(tensors) == 1 else tensors
         return torch.cat([_chunk(gate, tp_size, tp_rank, 0), _chunk(up, tp_size, tp_rank, 0)], dim=0)
     if rule.kind == _VOCAB:
         full = tensors[0]
@@ -213,10 +250,12 @@ def _from_shards(rule: _Rule, shards: Sequence[Tensor], hf_config) -> list[Tenso
     if rule.kind == _ROW:
         return [torch.cat(list(shards), dim=1) if len(shards) > 1 else shards[0]]
     if rule.kind == _QKV:
-        return list(_split_qkv(torch.cat(list(shards), dim=0), hf_config))
+        parts = list(_split_qkv(torch.cat(list(shards), dim=0), hf_config))
+        return [torch.cat(parts, dim=0)] if len(rule.hf) == 1 else parts
     if rule.kind == _FC1:
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        parts = [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        return [torch.cat(parts, dim=0)] if len(rule.hf) == 1 else parts
     if rule.kind == _VOCAB:
         full = torch.cat(list(shards), dim=0) if len(shards) > 1 else shards[0]
         return [full[: hf_config.vocab_size]]
@@ -224,7 +263,7 @@ def _from_shards(rule: _Rule, shards: Sequence[Tensor], hf_config) -> list[Tenso
 
 
 def _expert_placement(hf_config, ep_size: int) -> int:
-    experts = hf_config.num_local_experts
+    experts = num_experts(hf_config)
     if experts % ep_size:
         raise ValueError(f"{experts} experts do not divide over expert_model_parallel_size={ep_size}")
     return experts // ep_size

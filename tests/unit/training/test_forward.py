@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlserve.models.architecture import OutputLogits
 from rlserve.training.forward import gather_logprobs
 
 
-def plain(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def plain(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, logits_fn=None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The textbook version: full fp32 logits, log_softmax, gather (autograd keeps [N, V])."""
-    logp = torch.log_softmax((hidden @ weight.t()).float(), dim=-1)
+    logits = (hidden @ weight.t()).float()
+    logp = torch.log_softmax(logits if logits_fn is None else logits_fn(logits), dim=-1)
     return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
@@ -35,6 +38,23 @@ def test_values_and_gradients_equal_the_plain_function(chunk_rows):
     torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads[1], weight.grad, atol=1e-5, rtol=1e-5)
     assert not ent.requires_grad  # a metric
+
+
+@pytest.mark.parametrize("post", [OutputLogits(softcap=2.0), OutputLogits(scale=0.5, softcap=3.0)])
+def test_the_models_logit_post_processing_is_in_values_and_gradients(post):
+    """Gemma's soft-capping (and Cohere/Granite scaling) enter forward and, chained, backward."""
+    hidden, weight, targets, upstream = inputs(100, 16, 50)
+    lp, ent = gather_logprobs(hidden, weight, targets, chunk_rows=32, with_entropy=True, logits_fn=post)
+    (lp * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_lp, ref_ent = plain(hidden, weight, targets, post)
+    (ref_lp * upstream).sum().backward()
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, atol=1e-5, rtol=1e-5)
+    assert (lp - plain(hidden, weight, targets)[0]).abs().max() > 1e-2  # the cap matters here
 
 
 def test_padded_vocab_rows_take_no_mass_and_get_no_gradient():

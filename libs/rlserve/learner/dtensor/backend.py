@@ -16,6 +16,7 @@ from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
+from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.attention import register_hf_attention, unsupported_reason
 from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
@@ -30,7 +31,8 @@ class PolicyLogprobs(nn.Module):
     """Root module for FSDP: runs the decoder and returns logprobs of completion tokens only.
 
     Wrapping the HF model lets the FSDP root gather the embeddings, final norm and head
-    before this forward, while the vocabulary projection covers only completion positions.
+    before this forward, while the vocabulary projection covers only completion positions
+    (followed by the model's own logit soft-capping or scaling, as its ForCausalLM does).
     With `maskless` the model attends through `rlserve.training.attention` (packed rows per
     sequence from their cu_seqlens, right-padded rows causally), so no [T, T] mask is ever built;
     otherwise transformers builds its masks (the block-diagonal one from the packed positions).
@@ -39,6 +41,7 @@ class PolicyLogprobs(nn.Module):
     def __init__(self, lm: nn.Module, maskless: bool):
         super().__init__()
         self.lm, self.maskless = lm, maskless
+        self.output_logits = OutputLogits.from_config(lm.config)
 
     def forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Packed rows need their restarting positions (RoPE restarts per sequence); padded rows use
@@ -51,14 +54,15 @@ class PolicyLogprobs(nn.Module):
             hidden = hidden.full_tensor()
         head = self.lm.get_output_embeddings().weight
         rows = hidden.flatten(0, 1).index_select(0, mb.hidden_index)
-        return gather_logprobs(rows, head, mb.targets, with_entropy=with_entropy)
+        return gather_logprobs(rows, head, mb.targets, with_entropy=with_entropy,
+                               logits_fn=None if self.output_logits.identity else self.output_logits)
 
 
 class DTensorBackend(LearnerBackend):
     name = "dtensor"
 
     def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         self.spec, self.model_path, self.device = spec, Path(model_path), device
         cfg = spec.policy.dtensor_cfg
@@ -70,8 +74,8 @@ class DTensorBackend(LearnerBackend):
 
         config = AutoConfig.from_pretrained(self.model_path)
         self.attention_fallback = unsupported_reason(config)
-        attn = {} if self.attention_fallback else {"attn_implementation": register_hf_attention()}
-        lm = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **attn)
+        lm = load_causal_lm(self.model_path, torch.float32,
+                            attn=None if self.attention_fallback else register_hf_attention())
         lm.config.use_cache = False
         self.pad_id = lm.config.pad_token_id or 0
         self.num_parameters = sum(p.numel() for p in lm.parameters())
@@ -130,7 +134,8 @@ class DTensorBackend(LearnerBackend):
         return norm
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return weights.export_weights(self.model, self.export_names, self.model.lm.config.tie_word_embeddings, dtype)
+        return weights.export_weights(self.model, self.model.lm, self.export_names,
+                                      self.model.lm.config.tie_word_embeddings, dtype)
 
     def save_checkpoint(self, path: Path) -> None:
         checkpoint.save(path, self.model, self.optimizer, {"version": self._version,

@@ -1,10 +1,12 @@
-"""Apply tensor parallel -> activation checkpointing -> FSDP2 to an HF Llama-style model.
+"""Apply tensor parallel -> activation checkpointing -> FSDP2 to an HF decoder-only model.
 
 The order is torchtitan's (models/llama3/parallelize.py): TP first so that
 FSDP shards the already TP-sharded DTensors along the data-parallel dim.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -22,6 +25,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from rlserve.config.spec import DTensorCfg
+from rlserve.logs import event
+
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(lm: nn.Module) -> nn.ModuleList:
@@ -31,37 +37,97 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     return layers
 
 
+_SPLIT_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_SPLIT_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+
+
+def replicated_blocks(lm: nn.Module) -> list[str]:
+    """Attention/MLP blocks tensor parallel leaves whole on every TP rank (the plan's exceptions).
+
+    Megatron-style TP needs separate projections: HF's own fused ones (Phi3's `qkv_proj` =
+    [Q; K; V] and `gate_up_proj` = [gate; up]) split column-wise would hand each rank rows of
+    one part only, and transformers 5's fused MoE experts (3-D `gate_up_proj`/`down_proj`)
+    are not Linear modules. Those blocks run replicated (FSDP still shards their parameters
+    over data-parallel ranks), which is exact; only their memory is not divided by TP.
+    """
+    layer = decoder_layers(lm)[0]
+    out = []
+    if not _has(layer.self_attn, _SPLIT_ATTENTION):
+        out.append("self_attn")
+    if not _has(layer.mlp, _SPLIT_MLP):
+        out.append("mlp")
+    return out
+
+
+def _head_norm_plan(attn: nn.Module) -> dict:
+    """Per-head norms inside split attention (Qwen3's and Gemma3's q_norm/k_norm).
+
+    Each TP rank normalises its own heads with a weight every head shares, so the weight's
+    gradient is a sum over all heads: over both ranks. Declaring the norm's input sharded (the
+    style named SequenceParallel) makes the weight a replicated DTensor whose gradient DTensor
+    all-reduces. Which non-last dim is declared does not matter to an RMSNorm over the last dim
+    (the weight gradient sums over every other element anyway); dim 1 is heads for Gemma3's
+    [b, heads, s, d] and the sequence for Qwen3's [b, s, heads, d]. transformers' own TP plan
+    marks these norms `replicated_with_grad_allreduce` for the same reason.
+    """
+    return {f"self_attn.{name}": SequenceParallel(sequence_dim=1, use_local_output=True)
+            for name, _ in attn.named_children() if name.endswith("norm")}
+
+
+def _block_plan(name: str, split: bool, projections: dict, sequence_parallel: bool, seq) -> dict:
+    """One attention or MLP block: split projections, or a whole block between the TP regions."""
+    plan = dict(projections) if split else {}
+    if not sequence_parallel:
+        return plan  # inputs and outputs are plain tensors, equal on every TP rank
+    inputs = ({"input_kwarg_layouts": {"hidden_states": seq},
+               "desired_input_kwarg_layouts": {"hidden_states": Replicate()}} if name == "self_attn" else
+              {"input_layouts": (seq,), "desired_input_layouts": (Replicate(),)})
+    if split:
+        plan[name] = PrepareModuleInput(**inputs)
+    else:  # gather the sequence for the whole block, then back to sequence shards for the norms
+        outputs = (Replicate(), None) if name == "self_attn" else (Replicate(),)
+        plan[name] = PrepareModuleInputOutput(**inputs, use_local_input=True, output_layouts=outputs,
+                                              desired_output_layouts=(seq, None) if name == "self_attn" else (seq,),
+                                              use_local_output=False)
+    return plan
+
+
 def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Megatron-style TP on attention and MLP projections; embeddings and head stay replicated.
 
     Attention heads and KV groups are split across TP ranks (q/k/v column-wise, o row-wise);
-    HF's attention infers the local head count from the projection width. With sequence
-    parallel, norms and residuals hold sequence shards between the TP regions.
+    HF's attention infers the local head count from the projection width; per-head norms act on
+    local heads with their gradient summed over ranks (`_head_norm_plan`). Blocks without
+    separate projections stay whole (`replicated_blocks`, logged). With sequence parallel, every norm of the layer (Gemma's
+    sandwich norms included) and the residuals hold sequence shards between the TP regions.
     """
+    tp = tp_mesh.size()
+    whole = replicated_blocks(lm)
     heads, kv_heads = lm.config.num_attention_heads, lm.config.num_key_value_heads
-    if heads % tp_mesh.size() or kv_heads % tp_mesh.size():
-        raise ValueError(f"tensor_parallel_size {tp_mesh.size()} must divide the attention heads ({heads}) "
+    if "self_attn" not in whole and (heads % tp or kv_heads % tp):
+        raise ValueError(f"tensor_parallel_size {tp} must divide the attention heads ({heads}) "
                          f"and KV heads ({kv_heads})")
+    if whole:
+        event(log, "learner.tp_blocks_whole", blocks=",".join(whole), model_type=lm.config.model_type,
+              reason="no separate projections (HF-fused or MoE experts); replicated over TP ranks")
     seq = Shard(1)
     out_layout = seq if sequence_parallel else Replicate()
     for layer in decoder_layers(lm):
-        plan = {
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=out_layout, use_local_output=not sequence_parallel),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=out_layout, use_local_output=not sequence_parallel),
-        }
+        row = {"output_layouts": out_layout, "use_local_output": not sequence_parallel}
+        attention = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**row)}
+        attention.update(_head_norm_plan(layer.self_attn))
+        plan = _block_plan("self_attn", "self_attn" not in whole, attention, sequence_parallel, seq)
+        plan.update(_block_plan("mlp", "mlp" not in whole, {
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(**row)}, sequence_parallel, seq))
         if sequence_parallel:
-            plan.update({
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update({name: SequenceParallel() for name, child in layer.named_children()
+                         if name.endswith("norm")})
         parallelize_module(layer, tp_mesh, plan)
     if sequence_parallel:
         parallelize_module(lm.model, tp_mesh, {

@@ -1,9 +1,13 @@
-"""Export of the dtensor backend: HF-named full tensors, one parameter at a time.
+"""Export of the dtensor backend: HF checkpoint-named full tensors, one parameter at a time.
 
-The model is an HF model, so parameter names already are HF names (after the
-wrapper prefixes are removed); `DTensor.full_tensor()` gathers each one over
-its mesh. Every rank walks every parameter (the gathers are collective); only
-rank 0 copies to host memory.
+The model is an HF model, so parameter names are HF names once the wrapper
+prefixes are removed; `DTensor.full_tensor()` gathers each one over its mesh.
+Every rank walks every parameter (the gathers are collective); only rank 0
+copies to host memory.
+
+In-memory names are not always checkpoint names (transformers 5 fuses MoE
+experts): such a parameter goes through `rlserve.models.checkpoint_layout`
+and must come out as names of the model's checkpoint.
 """
 
 from __future__ import annotations
@@ -15,23 +19,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from rlserve.models.checkpoint_layout import to_checkpoint
 from rlserve.weights.buckets import to_host
 
 
 def hf_name(name: str) -> str:
-    """The checkpoint name of a parameter of `PolicyLogprobs` (activation checkpointing wraps layers)."""
+    """The HF name of a parameter of `PolicyLogprobs` (activation checkpointing wraps layers)."""
     return name.removeprefix("lm.").replace("._checkpoint_wrapped_module", "")
 
 
-def export_weights(model: nn.Module, export_names: set[str], tied: bool,
+def export_weights(model: nn.Module, lm: nn.Module, export_names: set[str], tied: bool,
                    dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     rank0 = dist.get_rank() == 0
     for name, param in model.named_parameters():
         name = hf_name(name)
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-        if name not in export_names:
-            if name == "lm_head.weight" and tied:
-                continue
-            raise ValueError(f"{name}: not in the model's checkpoint layout; the dtensor backend exports "
-                             f"dense HF models (fused-expert MoE needs the megatron backend)")
-        yield name, to_host(full.detach(), dtype) if rank0 else torch.empty(0)
+        if name == "lm_head.weight" and tied:
+            continue
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        parts = {name: full} if name in export_names else to_checkpoint(lm, name, full)
+        unknown = sorted(set(parts) - export_names)
+        if unknown:
+            raise ValueError(f"{name}: exports as {unknown[:4]}, not in the model's checkpoint layout")
+        for part, tensor in parts.items():
+            yield part, to_host(tensor, dtype) if rank0 else torch.empty(0)

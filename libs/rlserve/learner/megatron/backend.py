@@ -66,7 +66,9 @@ from rlserve.learner.megatron.parallel_dims import (
     device_memory_bytes,
     initialize,
 )
+from rlserve.learner.megatron.support import check_supported
 from rlserve.learner.megatron.weights import Exporter, stage_shard
+from rlserve.models.architecture import num_experts
 from rlserve.training.batch import MicroBatch
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
@@ -130,6 +132,7 @@ class MegatronBackend(LearnerBackend):
         passthrough = Passthrough.from_cfg(spec.policy.megatron_cfg)  # ValueError before any collective
         require_cuda(device)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        check_supported(self.hf_config, spec.policy.max_total_sequence_length)  # before any collective
         self.num_parameters = sum(int(torch.Size(s.shape).numel()) for s in checkpoint_specs(self.model_path).values())
         self.use_te = use_transformer_engine(spec.policy.megatron_cfg)
         self.layout = self._choose_layout()
@@ -143,7 +146,9 @@ class MegatronBackend(LearnerBackend):
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()
         self.pad_id = self.hf_config.pad_token_id or 0
 
-        self.tconfig = megatron_config_from_hf(self.hf_config, **transformer_overrides(spec, self.layout, passthrough))
+        self.tconfig = megatron_config_from_hf(
+            self.hf_config, max_sequence_length=spec.policy.max_total_sequence_length,
+            **transformer_overrides(spec, self.layout, passthrough))
         self.gpt = self._build_model()
         self._build_training_stack(passthrough)
         self.exporter = Exporter(self.gpt, self.hf_config, self.use_te, self.tconfig.moe_grouped_gemm)
@@ -162,7 +167,7 @@ class MegatronBackend(LearnerBackend):
         devices = torch.cuda.device_count() if self.device.type == "cuda" else dist.get_world_size()
         layout = choose_layout(cfg, ModelShape.from_hf(self.hf_config, self.num_parameters), dist.get_world_size(),
                                device_memory_bytes(self.device), tokens, spec.policy.precision, devices)
-        if getattr(self.hf_config, "num_local_experts", 0) and layout.tp > 1 and not layout.sequence_parallel:
+        if num_experts(self.hf_config) and layout.tp > 1 and not layout.sequence_parallel:
             raise NotImplementedError(
                 "an MoE model with tensor_model_parallel_size > 1 needs policy.megatron_cfg.sequence_parallel "
                 "(megatron-core's MoE layer refuses to train TP without SP); spread experts with "

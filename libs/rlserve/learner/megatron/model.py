@@ -1,8 +1,10 @@
-"""Megatron-Core 0.16.1 GPTModel for an HF Llama/Mistral/Qwen2/Mixtral config.
+"""Megatron-Core 0.16.1 GPTModel for an HF Llama/Mistral/Qwen2/Qwen3/Phi3/Mixtral/Qwen3-MoE config.
 
 `megatron_config_from_hf` picks the TransformerConfig whose forward equals
-the HF model's (checked to 1e-4 in fp32 on the tiny presets by
-`tests/unit/weights/test_hf_megatron.py`); `build_gpt_model` builds the model
+the HF model's (which models qualify: `rlserve.learner.megatron.support`;
+checked to 1e-4 in fp32 by `tests/unit/weights/test_hf_megatron.py` and
+`tests/architectures/`). Qwen3's per-head q/k RMSNorm is megatron's
+`qk_layernorm`; Phi3's partial rotary factor is `rotary_percent`. `build_gpt_model` builds the model
 with the local layer spec (or the Transformer Engine spec on GPUs); weights
 come from `rlserve.weights.hf_megatron.hf_to_megatron` and go in through
 `load_megatron_state`.
@@ -13,7 +15,9 @@ softmax over the k top logits, which is megatron's
 `moe_router_score_function="softmax"` with `moe_router_pre_softmax=False`
 (`transformer/moe/moe_utils.py`, `topk_routing_with_score_function`: top-k of
 the logits, then softmax over those k). Top-1 would differ (HF weight 1.0;
-megatron demands pre-softmax for k=1, giving p_max), so it is refused. Load
+megatron demands pre-softmax for k=1, giving p_max), so it is refused.
+Qwen3-MoE renormalises only with `norm_topk_prob`; without it HF keeps the
+top-k of the full softmax, which is `moe_router_pre_softmax=True`. Load
 balancing is "none" (no forward effect either way): HF adds no router loss
 unless `output_router_logits`, and NeMo-RL's MoE GRPO recipes use "none" too;
 a learner that wants an aux loss overrides it. Router math is fp32
@@ -37,48 +41,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlserve.weights.hf_megatron import SUPPORTED_MODEL_TYPES, padded_vocab_size
+from rlserve.learner.megatron.support import check_supported, rope_settings
+from rlserve.models.architecture import num_experts
+from rlserve.weights.hf_megatron import padded_vocab_size
 
 __all__ = ["megatron_config_from_hf", "build_gpt_model", "load_megatron_state", "padded_vocab_size"]
 
 
-def _rope(hf_config) -> tuple[float, dict[str, Any]]:
-    """(rope base, GPTModel rope kwargs) from either the transformers-5 or the 4.x config fields."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    scaling = params if params else (getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("HF config has no rope_theta")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return float(theta), {}
-    # megatron's llama3 scaling hard-codes low=1, high=4, original context 8192 (RotaryEmbedding._apply_scaling).
-    if rope_type == "llama3" and (
-        scaling.get("low_freq_factor"), scaling.get("high_freq_factor"), scaling.get("original_max_position_embeddings")
-    ) == (1.0, 4.0, 8192):
-        return float(theta), {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
-    raise NotImplementedError(f"rope type {rope_type!r} with {scaling} has no Megatron GPTModel equivalent here")
-
-
-def _check(hf_config) -> None:
-    kind = hf_config.model_type
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {kind!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if hf_config.hidden_act != "silu":
-        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}; only SwiGLU (silu) models are supported")
-    if kind == "llama" and (getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False)):
-        raise NotImplementedError("Llama attention_bias/mlp_bias are not supported")
-    window = getattr(hf_config, "sliding_window", None)
-    if kind == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-        window = None
-    if window is not None and window < hf_config.max_position_embeddings:
-        raise NotImplementedError(f"sliding-window attention ({window}) is not supported")
-    if kind == "mixtral" and hf_config.num_experts_per_tok < 2:
-        raise NotImplementedError("top-1 Mixtral routing (weight 1.0) has no Megatron router setting")
-
-
-def megatron_config_from_hf(hf_config, **overrides: Any):
+def megatron_config_from_hf(hf_config, *, max_sequence_length: int | None = None, **overrides: Any):
     """The megatron `TransformerConfig` that reproduces `hf_config`'s forward; `overrides` win.
+
+    Refuses (NotImplementedError) a model `rlserve.learner.megatron.support` does not
+    support for sequences of up to `max_sequence_length` tokens (default: the model's context).
 
     Parallel sizes (`tensor_model_parallel_size`, `expert_model_parallel_size`,
     `sequence_parallel`, ...), `use_cpu_initialization` and mixed precision
@@ -87,8 +61,7 @@ def megatron_config_from_hf(hf_config, **overrides: Any):
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    _check(hf_config)
-    _rope(hf_config)  # raises early on an unsupported rope type
+    check_supported(hf_config, max_sequence_length)
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     kwargs: dict[str, Any] = dict(
@@ -104,6 +77,7 @@ def megatron_config_from_hf(hf_config, **overrides: Any):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=hf_config.initializer_range,
@@ -116,14 +90,16 @@ def megatron_config_from_hf(hf_config, **overrides: Any):
         persist_layer_norm=False,
         apply_rope_fusion=False,
     )
-    if hf_config.model_type == "mixtral":
+    if num_experts(hf_config):
+        # Mixtral always renormalises the top-k probabilities; Qwen-MoE only with norm_topk_prob.
+        renormalised = hf_config.model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False))
         kwargs.update(
-            num_moe_experts=hf_config.num_local_experts,
+            num_moe_experts=num_experts(hf_config),
             moe_router_topk=hf_config.num_experts_per_tok,
-            moe_ffn_hidden_size=hf_config.intermediate_size,
+            moe_ffn_hidden_size=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
             moe_grouped_gemm=False,
             moe_router_score_function="softmax",
-            moe_router_pre_softmax=False,
+            moe_router_pre_softmax=not renormalised,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32",
@@ -157,19 +133,19 @@ def build_gpt_model(
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    _check(hf_config)
-    rope_base, rope_kwargs = _rope(hf_config)
+    rope_base, rope_kwargs = rope_settings(hf_config)
     experts = transformer_config.num_moe_experts
     if experts:
         _bind_te_general_gemm_if_missing()
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=transformer_config.moe_grouped_gemm
-        )
+            num_experts=experts, moe_grouped_gemm=transformer_config.moe_grouped_gemm,
+            qk_layernorm=transformer_config.qk_layernorm)
     else:
         if transformer_config.moe_grouped_gemm:
             raise NotImplementedError("grouped GEMM experts need the TE spec (use_te=True)")
-        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                        qk_layernorm=transformer_config.qk_layernorm)
         # The local spec's attention materialises [batch, heads, seq, seq] scores; torch's SDPA
         # runs the same maths in flash / memory-efficient kernels.
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
@@ -184,7 +160,6 @@ def build_gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
-        rotary_percent=1.0,
         rotary_base=rope_base,
         **rope_kwargs,
     )

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.config.spec import MegatronCfg
+from rlserve.models.architecture import num_experts
 from rlserve.training.forward import default_chunk_rows
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,9 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf_config, num_parameters: int) -> ModelShape:
-        experts = getattr(hf_config, "num_local_experts", 0) or 0
-        per_expert = 3 * hf_config.hidden_size * hf_config.intermediate_size
+        experts = num_experts(hf_config)
+        ffn = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        per_expert = 3 * hf_config.hidden_size * ffn
         return cls(num_parameters, experts * per_expert * hf_config.num_hidden_layers, hf_config.num_hidden_layers,
                    hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads,
                    hf_config.vocab_size, experts)
