@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ages", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error("--steps must be at least 4: the first 2 steps (engine warm-up) are not timed")
 
     import yaml
 

@@ -19,7 +19,7 @@ class DeploymentArgs(BaseModel):
     num_replicas: int = Field(ge=1)
     num_cpus: float = Field(ge=0)
     num_gpus: float = Field(ge=0)
-    env_vars: dict[str, str]
+    env_vars: dict[str, str] = {}
     # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
     max_surge_percent: int = Field(100, ge=0, le=100)
 

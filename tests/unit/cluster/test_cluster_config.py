@@ -60,3 +60,20 @@ def test_partial_service_section_keeps_that_services_defaults(tmp_path):
     assert cfg.services.reference.num_cpus == 1.5
     args = serve_config(cfg, tmp_path)["applications"]
     assert {a["name"]: a["args"]["deployment"]["num_cpus"] for a in args} == {**DEFAULT_NUM_CPUS, "reference": 1.5}
+
+
+def test_kuberay_manifest_args_are_valid_for_each_app():
+    """Each application's args in the manifest pass the app's own validation (as Serve would build it)."""
+    import importlib
+    from pathlib import Path
+
+    from rlserve.cluster.deployment import DeploymentArgs
+
+    manifest = yaml.safe_load(Path("deploy/kuberay/rayservice.yaml").read_text())
+    for app in yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]:
+        module = importlib.import_module(app["import_path"].split(":")[0])
+        args = dict(app["args"])
+        DeploymentArgs.model_validate(args.pop("deployment"))
+        args_cls = next(v for k, v in vars(module).items() if k.endswith("Args") and k != "DeploymentArgs"
+                        and getattr(v, "__module__", "") == module.__name__)
+        args_cls.model_validate(args)

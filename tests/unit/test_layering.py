@@ -1,0 +1,80 @@
+"""The layering the design promises, checked on the source: the library and the scripts never
+import a service, no service imports another service, and module-level imports form no circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT / "libs" if path.is_relative_to(ROOT / "libs") else ROOT).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, module_level_only: bool) -> set[str]:
+    """Modules `path` imports (for module_level_only: outside functions and `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if module_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if module_level_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.add(child.module)
+                found.update(f"{child.module}.{a.name}" for a in child.names)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def sources(*folders: str) -> list[Path]:
+    return sorted(p for f in folders for p in (ROOT / f).rglob("*.py") if "/v1/" not in str(p))
+
+
+def test_library_and_scripts_never_import_services():
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imports(p, False) if m.split(".")[0] == "services")
+                 for p in sources("libs", "scripts")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_service_imports_another_service():
+    offenders = {}
+    for path in sources("services"):
+        own = path.relative_to(ROOT / "services").parts[0]
+        other = sorted(m for m in imports(path, False) if m.startswith("services.")
+                       and m.split(".")[1] != own)
+        if other:
+            offenders[str(path.relative_to(ROOT))] = other
+    assert offenders == {}
+
+
+def test_module_level_imports_form_no_circle():
+    paths = sources("libs/rlserve", "services")
+    names = {module_name(p): p for p in paths}
+    graph = {name: {m for m in imports(path, True) if m in names and m != name} for name, path in names.items()}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def cycle_from(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
+            if nxt not in state and (found := cycle_from(nxt, stack + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = cycle_from(start, [start])
+            assert found is None, " -> ".join(found)
