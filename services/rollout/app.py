@@ -165,7 +165,8 @@ class Rollout:
             replica_id=self.replica_id, architecture_fingerprint=self.fingerprint, dtype=self.info.dtype,
             tensor_parallel_size=self.args.tensor_parallel_size,
             gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager,
-            weight_transfer=self.engine.transfer_backend or "", activity=self._activity())
+            weight_transfer=self.engine.transfer_backend or "", activity=self._activity(),
+            run_id=self.weights.run_id)
 
 
 def build(args: dict) -> serve.Application:

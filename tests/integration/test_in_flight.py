@@ -56,11 +56,11 @@ class Background(threading.Thread):
         return self.result
 
 
-def replica_versions(stub, calls: int = 12) -> dict[str, int]:
+def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
     seen = {}
     for _ in range(calls):
         info = stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout"))
-        seen[info.replica_id] = info.weight_version
+        seen[info.replica_id] = (info.run_id, info.weight_version)
     return seen
 
 
@@ -72,12 +72,13 @@ def wait_until_generating(stub) -> None:
         time.sleep(0.05)
 
 
-def wait_for_versions(stub, version: int, timeout_s: float = 240) -> dict[str, int]:
+def wait_for_versions(stub, version: int, timeout_s: float = 240) -> dict[str, tuple[str, int]]:
+    """Both replicas serve `version` of this test's run."""
     deadline = time.time() + timeout_s
     while True:
         status = serve.status().applications["rollout"]
         versions = replica_versions(stub) if status.status == "RUNNING" else {}
-        if len(versions) == 2 and set(versions.values()) == {version}:
+        if len(versions) == 2 and set(versions.values()) == {(RUN, version)}:
             return versions
         assert time.time() < deadline, f"replicas are not on version {version}: {versions} ({status.status})"
         time.sleep(1)

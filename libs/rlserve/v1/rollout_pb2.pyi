@@ -122,7 +122,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity")
+    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity", "run_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class GetInfoResponse(_message.Message):
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     weight_version: int
@@ -149,4 +150,5 @@ class GetInfoResponse(_message.Message):
     enforce_eager: bool
     weight_transfer: str
     activity: EngineActivity
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...

@@ -175,12 +175,18 @@ class WeightFollower:
             await self._apply(pub, pub.in_flight)
 
     async def sync(self, min_version: int) -> None:
-        """Before a request that needs `min_version`: catch up from the store if this replica is behind."""
+        """Before a request that needs `min_version`: catch up from the store if this replica is behind.
+
+        The load is shielded: a caller that gives up must not stop it between pause and resume.
+        """
         if self.version < min_version:
-            await self._catch_up()
+            await asyncio.shield(self._catch_up())
 
     async def update_to(self, version: int, in_flight: bool) -> Applied | None:
         """Load `version`, which must be the newest publication; None when it is already loaded."""
+        return await asyncio.shield(self._update_to(version, in_flight))
+
+    async def _update_to(self, version: int, in_flight: bool) -> Applied | None:
         async with self._loading:
             pub = await self.store.latest.remote()
             if pub is None or pub.version != version:
