@@ -8,8 +8,8 @@ each tensor goes
   (`WeightTransferTrainerFactory.trainer_init` with the engine the replicas
   run: `gloo`, `nccl` or `ipc`; `FleetClient` reaches the replicas through the
   weight store's fleet), and
-- into the object store, owned by the weight store, bucket by bucket: the one
-  copy that replicas starting later catch up from.
+- into the object store, bucket by bucket: the one copy that replicas
+  starting later catch up from (published in the weight store).
 
 Rank 0 holds at most a bucket of tensors for each of the two at a time, never
 the model. The first version of a session goes through the store only: the
@@ -32,7 +32,7 @@ import torch
 from rlserve.learner.interfaces import LearnerBackend
 from rlserve.logs import event
 from rlserve.weights.buckets import tensor_bytes
-from rlserve.weights.store import Member, put_owned
+from rlserve.weights.store import Member
 
 log = logging.getLogger("rlserve.learner")
 
@@ -99,10 +99,10 @@ class FleetClient:
 
 
 class StoreCopy:
-    """Buckets of exported tensors put in the object store, owned by the weight store (one copy)."""
+    """Buckets of exported tensors put in the object store (one copy), for the weight store to publish."""
 
-    def __init__(self, store: ray.actor.ActorHandle, bucket_bytes: int):
-        self.store, self.bucket_bytes = store, bucket_bytes
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
         self.refs: list[ray.ObjectRef] = []
         self.num_tensors = self.num_bytes = 0
         self._bucket: dict[str, torch.Tensor] = {}
@@ -119,7 +119,7 @@ class StoreCopy:
 
     def flush(self) -> None:
         if self._bucket:
-            self.refs.append(put_owned(self.store, self._bucket))
+            self.refs.append(ray.put(self._bucket))
             self._bucket, self._size = {}, 0
 
 
@@ -199,7 +199,7 @@ class Publisher:
 
     def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool) -> Published:
         t0 = time.perf_counter()
-        copy = StoreCopy(self.store, self.bucket_bytes)
+        copy = StoreCopy(self.bucket_bytes)
         self.source.begin(dtype, copy)
         version = self.backend.version
         out = Published(version, 0, 0, 0, 0.0)

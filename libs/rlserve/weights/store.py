@@ -2,10 +2,12 @@
 
 Two jobs, one named actor that every rollout replica and the learner can find:
 
-- Publications. The newest version, once: bucket ObjectRefs that the learner
-  put with this store as their owner (`put_owned`), so the version outlives
-  the learner worker and is never copied again (or a safetensors folder). A
-  replica that starts, restarts or missed a direct transfer loads it.
+- Publications. The newest version, once: the bucket ObjectRefs the learner
+  put (never copied again here), or a safetensors folder. A replica that
+  starts, restarts or missed a direct transfer loads it. The buckets live as
+  long as the learner session that put them (Ray 2.56 removed `ray.put`'s
+  `_owner`, and a second copy owned here would double the cost of every
+  version); a learner that restarts restores its checkpoint and publishes again.
 - The fleet. A handle call reaches one Serve replica, so the learner cannot
   call every rollout engine itself. Each replica `join`s as a member and
   long-polls `next_command`; the learner's weight-sync client fans a command
@@ -97,7 +99,7 @@ class WeightStore:
 
     async def publish(self, run_id: str, version: int, bucket_refs: list[Any], num_tensors: int, num_bytes: int,
                       in_flight: bool, safetensors_path: str | None = None) -> int:
-        """Make a version the newest. The refs must be owned by this store (`put_owned`): one copy."""
+        """Make a version the newest (its previous one is released)."""
         publish_id = (self._head.publish_id if self._head else 0) + 1
         self._head = Publication(publish_id, run_id, version, num_tensors, num_bytes, in_flight, safetensors_path,
                                  list(bucket_refs))
@@ -201,8 +203,3 @@ def get_store(name: str = DEFAULT_STORE_NAME) -> ray.actor.ActorHandle:
     """The named store, created on first use; it outlives its creator (detached)."""
     return WeightStore.options(name=name, namespace=STORE_NAMESPACE, get_if_exists=True,
                                lifetime="detached").remote()
-
-
-def put_owned(store: ray.actor.ActorHandle, value: Any) -> ray.ObjectRef:
-    """Put `value` in the object store owned by the weight store, so it lives as long as the store keeps it."""
-    return ray.put(value, _owner=store)
