@@ -5,7 +5,9 @@ reward service. Point a run at it with `reward.endpoint: HOST:PORT`.
     .venv/bin/python scripts/reward_server.py --port 50070 --function path/to/my_reward.py:reward
 
 It runs outside Ray and Serve (only grpcio and the rlserve library), with health checking and
-reflection, and binds to 127.0.0.1 unless --host says otherwise.
+reflection, and binds to 127.0.0.1 unless --host says otherwise. A Score request may name the
+built-ins, the server's own --function plug-ins and those given with --allow-plugin; any other
+import path is refused with PERMISSION_DENIED (a request must never choose code to run).
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ from rlserve.logs import event, setup_logging
 from rlserve.rewards.loader import CombinedReward, FunctionSpec
 from rlserve.rewards.scoring import score_batch, specs_from_proto
 from rlserve.rpc import RpcError
+from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2, reward_pb2_grpc
 
 log = logging.getLogger("rlserve.reward_server")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, default: CombinedReward):
+    def __init__(self, default: CombinedReward, plugins: PluginPolicy):
         self.default = default
+        self.plugins = plugins
 
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
         try:
-            reward = CombinedReward(specs_from_proto(list(request.functions))) if request.functions else self.default
+            reward = (CombinedReward(specs_from_proto(list(request.functions), self.plugins)) if request.functions
+                      else self.default)
             response = score_batch(reward, request)
         except RpcError as err:
             context.abort(err.code, err.message)
@@ -45,13 +50,14 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return response
 
 
-def serve(host: str, port: int, functions: list[str]) -> grpc.Server:
+def serve(host: str, port: int, functions: list[str], allowed_plugins: list[str]) -> grpc.Server:
     specs = []
     for f in functions:
         name = f.rsplit("/", 1)[-1].split(":")[0].removesuffix(".py")
         specs.append(FunctionSpec.make(name, None if ":" not in f and not f.endswith(".py") else f))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(CombinedReward(specs)), server)
+    plugins = PluginPolicy([*allowed_plugins, *(s.import_path for s in specs if s.import_path)])
+    reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(CombinedReward(specs), plugins), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("rlserve.v1.Reward", health_pb2.HealthCheckResponse.SERVING)
@@ -69,9 +75,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50070)
     parser.add_argument("--function", action="append", default=None,
                         help="built-in name, module:attr or file.py[:attr]; repeatable (default exact_match)")
+    parser.add_argument("--allow-plugin", action="append", default=[], metavar="IMPORT_PATH",
+                        help="a plug-in Score requests may name (module:attr or file.py[:attr]); repeatable")
     args = parser.parse_args()
     setup_logging()
-    server = serve(args.host, args.port, args.function or ["exact_match"])
+    server = serve(args.host, args.port, args.function or ["exact_match"], args.allow_plugin)
     signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
     server.wait_for_termination()
 

@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests are skipped without CUDA; generated models go to a per-session cache."""
+"""Shared test set-up: GPU tests are skipped without CUDA; generated models and client records go to
+per-session folders."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 # Models that tests generate (preset:tiny, ...) are cached per test session, not in ~/.cache.
 os.environ.setdefault("RLSERVE_MODEL_CACHE", tempfile.mkdtemp(prefix="rlserve-test-models-"))
+# Credentials records that `deploy/serve up` writes for clients go here, not to ~/.config.
+os.environ.setdefault("RLSERVE_CONFIG_DIR", tempfile.mkdtemp(prefix="rlserve-test-config-"))
 # Read by Ray when it is imported: keep the test cluster's node address on loopback
 # (rlserve.cluster.lifecycle explains why).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

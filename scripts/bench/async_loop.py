@@ -50,7 +50,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
     cluster_file = root / "cluster.yaml"
     data = yaml.safe_load(default_cluster_file().read_text())
-    data.update({"ray_port": 6780, "grpc_port": 9300, "http_port": 8300, "runs_dir": str(root / "runs")})
+    data.update({"ray_port": 6780, "grpc_port": 9300, "runs_dir": str(root / "runs")})
     cluster_file.write_text(yaml.safe_dump(data))
     cluster = Cluster(*load_cluster_file(cluster_file))
     up(cluster)

@@ -1,6 +1,6 @@
 """Rollout benchmark, all in one run on the same prompts:
-  - vLLM engine in this process vs the same engine behind the rollout service (gRPC proxy and
-    a Serve handle): the ratio is the service's overhead;
+  - vLLM engine in this process vs the same engine behind the rollout service (gRPC through the
+    gateway, with the admin token, and a Serve handle): the ratio is the service's overhead;
   - vLLM vs the transformers engine.
 For the `tiny` and `small` presets. Prints a table and writes bench-results/rollout.json.
 
@@ -37,8 +37,9 @@ def bench_cluster(root: Path, preset: str, port_base: int):
     from rlserve.cluster.config import load_cluster_file
     from rlserve.cluster.lifecycle import Cluster
 
-    data = {"name": f"bench-{preset}", "ray_port": port_base, "grpc_port": port_base + 10,
-            "http_port": port_base + 11, "num_cpus": 4, "runs_dir": str(root / "runs"),
+    # The gateway serves the rollout service to the admin token (an internal RPC, exposed for this bench).
+    data = {"name": f"bench-{preset}", "ray_port": port_base, "grpc_port": port_base + 10, "expose_internal": True,
+            "num_cpus": 4, "runs_dir": str(root / "runs"),
             "services": {"rollout": {"num_cpus": 0.5, "args": {"engine": "vllm", "model": f"preset:{preset}",
                                                                "max_model_len": 256}}}}
     path = root / f"{preset}.yaml"
@@ -60,10 +61,11 @@ def main() -> None:
     import torch
     from ray import serve
 
-    from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, serve_config, start_head
+    from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, prepare_auth, serve_config, start_head
     from rlserve.models import resolve_model
     from rlserve.rollout import make_engine
     from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
+    from rlserve.security.tokens import read_tokens
     from rlserve.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
     ids = prompts(PROMPTS)
@@ -84,13 +86,14 @@ def main() -> None:
         try:
             connect(cluster)
             config = serve_config(cluster.cfg, cluster.runs_dir)
-            config["applications"] = [a for a in config["applications"] if a["name"] == "rollout"]
+            config["applications"] = [a for a in config["applications"] if a["name"] in ("rollout", "gateway")]
+            prepare_auth(cluster)
             _serve_start(cluster, config)
             deploy(cluster, config)
             handle = serve.get_app_handle("rollout")
             channel = grpc.insecure_channel(cluster.grpc_endpoint)
             stub = rollout_pb2_grpc.RolloutStub(channel)
-            md = (("application", "rollout"),)
+            md = (("authorization", f"Bearer {read_tokens(cluster.token_files[1])[0]}"),)
             engines = {name: make_engine(name, cfg) for name in ("vllm", "transformers")}
 
             def served(call):
@@ -104,7 +107,7 @@ def main() -> None:
                                      for s in ss), None),
                 "transformers": lambda: (sum(len(s.token_ids) for ss in engines["transformers"].generate(
                     ids, SAMPLES, sampling) for s in ss), None),
-                "service (gRPC)": served(lambda: stub.Generate(request, metadata=md)),
+                "service (gateway gRPC)": served(lambda: stub.Generate(request, metadata=md)),
                 "service (handle)": served(lambda: handle.Generate.remote(request).result()),
             }
             samples = {name: [] for name in paths}

@@ -7,3 +7,4 @@ PY=.venv/bin/python
 $PY scripts/bench/rollout.py
 $PY scripts/bench/learner.py
 $PY scripts/bench/async_loop.py
+$PY scripts/bench/gateway.py

@@ -4,20 +4,26 @@ Every call goes through `ServiceCalls.call`: errors that may pass (a replica
 restarting, a service redeploying, a time-out) are retried with exponential
 back-off, each retry announced as a RETRY event; an error that will not pass
 (INVALID_ARGUMENT, NOT_FOUND, ...) or a service that stays down ends the run
-with a clear message.
+with a clear message. ABORTED means a service lost state the run relies on
+(the learner's training session): no retry of that call can help, so it is
+raised at once as `RunStateLost`, which the loop answers by restoring the
+last checkpoint (`recovery.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
-from rlserve.rpc import RpcError
+from rlserve.rpc import status_of
 from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2
 
 T = TypeVar("T")
@@ -30,17 +36,8 @@ class ServiceFailure(Exception):
     """A service call failed for good (after retries, or with a non-retryable status)."""
 
 
-def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(err, RpcError):
-        return err.code, err.message
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, RpcError):
-        return cause.code, cause.message
-    if isinstance(err, grpc.aio.AioRpcError):
-        return err.code(), err.details() or ""
-    if isinstance(err, asyncio.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "timed out"
-    return grpc.StatusCode.UNAVAILABLE, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+class RunStateLost(ServiceFailure):
+    """A service no longer holds the run's state (ABORTED); the run continues only from a checkpoint."""
 
 
 class RetryPolicy(BaseModel):
@@ -66,12 +63,29 @@ class ServiceCalls:
         self.on_retry = on_retry
         self._reward_channel = grpc.aio.insecure_channel(reward_endpoint) if reward_endpoint else None
         self._reward_stub = reward_pb2_grpc.RewardStub(self._reward_channel) if reward_endpoint else None
+        self.pending: dict[int, tuple[str, float]] = {}  # calls in progress: what, since (monotonic)
+        self._ids = itertools.count()
+
+    def oldest_pending(self) -> tuple[str, float] | None:
+        """The longest-running call in progress (what, seconds), for the watchdog's message."""
+        if not self.pending:
+            return None
+        what, since = min(self.pending.values(), key=lambda p: p[1])
+        return what, time.monotonic() - since
 
     async def close(self) -> None:
         if self._reward_channel is not None:
             await self._reward_channel.close()
 
     async def call(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
+        key = next(self._ids)
+        self.pending[key] = (what, time.monotonic())
+        try:
+            return await self._call(what, make)
+        finally:
+            del self.pending[key]
+
+    async def _call(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
         delay = self.policy.first_backoff_s
         for attempt in range(self.policy.retries + 1):
             try:
@@ -79,7 +93,10 @@ class ServiceCalls:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - classified below
-                code, message = status_of(err)
+                status = status_of(err)
+                code, message = status.code, status.message
+                if code == grpc.StatusCode.ABORTED:
+                    raise RunStateLost(f"{what}: {code.name}: {message}") from None
                 if code in _FINAL:
                     raise ServiceFailure(f"{what}: {code.name}: {message}") from None
                 if attempt == self.policy.retries:
@@ -124,3 +141,17 @@ class ServiceCalls:
 
     async def load_checkpoint(self, req: learner_pb2.LoadCheckpointRequest) -> learner_pb2.LoadCheckpointResponse:
         return await self.call("learner.LoadCheckpoint", lambda: self.learner.LoadCheckpoint.remote(req))
+
+
+async def connect_services(apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
+                           on_retry: Callable[[str], None], timeout_s: float) -> ServiceCalls:
+    """ServiceCalls once every application exists: a coordinator that resumes runs as it starts comes
+    up beside the other applications, not after them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ServiceCalls(apps, reward_endpoint, policy, on_retry)
+        except RayServeException as err:
+            if time.monotonic() > deadline:
+                raise ServiceFailure(f"the services are not deployed after {timeout_s:.0f}s: {err}") from None
+            await asyncio.sleep(2.0)

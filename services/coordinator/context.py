@@ -1,4 +1,8 @@
-"""What one run's tasks (producer, trainer, watchdog, checkpoints, SFT, weight sync) share."""
+"""What one run's tasks (producer, trainer, watchdog, checkpoints, SFT, weight sync) share.
+
+A Context lives for one attempt of a run: a recovery builds a fresh one (empty
+queue, sampler at the checkpoint's cursor) around the same Run and ServiceCalls.
+"""
 
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ class Context:
         spec = run.spec
         self.run, self.spec, self.calls, self.settings = run, spec, calls, settings
         self.model_path = resolve_model(spec.policy.model_name, spec.policy.model_seed)
-        self.tok = PromptTokenizer(self.model_path)
+        self.tok = PromptTokenizer(self.model_path, spec.data.prompt_format, spec.data.system_prompt)
         self.splits = build_splits(spec.data)
         self.val_examples = self.splits.val[: spec.grpo.max_val_samples]
+        # Step k's prompts are the data cursor's [k * P, (k + 1) * P) (P = num_prompts_per_step).
         self.sampler = PromptSampler(self.splits.train, spec.data.seed)
         self.queue = GroupQueue()
         self.staleness = StalenessBound(spec.grpo.max_age)
@@ -43,6 +48,9 @@ class Context:
         self.timings: dict[int, dict[str, float]] = {}
         self.last_progress = time.monotonic()
         self.initial_val: float | None = None
+        self.checkpoints_saved = 0
+        # When this attempt follows a loss of state: since when (monotonic), for the RECOVERED event.
+        self.recovering_since: float | None = None
 
     def progress(self) -> None:
         self.last_progress = time.monotonic()

@@ -8,6 +8,7 @@ the ledger). It is not a replay buffer: nothing is sampled twice.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 
 from services.coordinator.staleness import StalenessBound
@@ -17,7 +18,7 @@ from services.coordinator.staleness import StalenessBound
 class Group:
     """The samples of one prompt, scored (and with reference logprobs when the KL needs them)."""
 
-    prompt_index: int
+    prompt_index: int  # position of the prompt in the run's data order (the data cursor)
     prompt_ids: list[int]
     completions: list[list[int]]
     gen_logprobs: list[list[float]]
@@ -25,7 +26,8 @@ class Group:
     weight_version: int
     step: int  # the training step it was generated for
     ref_logprobs: list[list[float]] | None = None
-    reward_errors: int = 0
+    # The reward plug-ins' messages for the samples they failed to score (a group with any is dropped).
+    reward_errors: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
 
     @property
@@ -33,31 +35,39 @@ class Group:
         return len(self.completions)
 
 
-class GroupQueue:
-    """FIFO of groups; `take` waits for n groups and splits them into fresh and stale."""
+def summarize_errors(messages: list[str], limit: int) -> str:
+    """The first `limit` distinct messages with their counts; the rest only counted."""
+    counts = Counter(messages)
+    shown = [f"{msg} (x{n})" if n > 1 else msg for msg, n in list(counts.items())[:limit]]
+    rest = list(counts.items())[limit:]
+    if rest:
+        shown.append(f"{len(rest)} other messages ({sum(n for _, n in rest)} errors) not shown")
+    return "; ".join(shown)
 
-    def __init__(self) -> None:
-        self._groups: list[Group] = []
-        self._changed = asyncio.Condition()
+
+class GroupQueue:
+    """FIFO of groups; `take` waits for n groups and splits them into fresh and stale (one consumer)."""
+
+    def __init__(self, groups: list[Group] | None = None) -> None:
+        self._groups: list[Group] = list(groups or [])
+        self._grew = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._groups)
 
-    async def put(self, groups: list[Group]) -> None:
-        async with self._changed:
-            self._groups.extend(groups)
-            self._changed.notify_all()
+    def put(self, groups: list[Group]) -> None:
+        """Synchronous, so the producer counts and queues a step's groups with nothing in between."""
+        self._groups.extend(groups)
+        self._grew.set()
 
     async def take(self, n: int, version: int, bound: StalenessBound) -> tuple[list[Group], list[Group]]:
-        async with self._changed:
-            await self._changed.wait_for(lambda: len(self._groups) >= n)
-            batch, self._groups = self._groups[:n], self._groups[n:]
+        while len(self._groups) < n:
+            self._grew.clear()
+            await self._grew.wait()
+        batch, self._groups = self._groups[:n], self._groups[n:]
         fresh = [g for g in batch if bound.is_fresh(version, g.weight_version)]
         stale = [g for g in batch if not bound.is_fresh(version, g.weight_version)]
         return fresh, stale
 
     def snapshot(self) -> list[Group]:
         return list(self._groups)
-
-    def restore(self, groups: list[Group]) -> None:
-        self._groups = list(groups)

@@ -2,7 +2,12 @@
 
 The ledger balances at every moment: generated == trained + dropped + in flight
 (scored is a stage on the way, not an end). A fault can then be shown to lose
-nothing: what is neither trained nor dropped is still in flight.
+nothing: what is neither trained nor dropped is still in flight, and a run that
+ends (succeeded, failed, cancelled) has nothing in flight.
+
+Every change is announced: DROPPED events carry `dropped/<reason>`, STEP events
+`batch/trajectories_trained`, and a RECOVERED event the changes of a rewind
+(`rewind`), so the counts can be checked against the event log.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from rlserve.v1 import coordinator_pb2
+
+RECOVERED = "recovered"
 
 
 @dataclass
@@ -24,6 +31,11 @@ class Ledger:
     def in_flight(self) -> int:
         return self.generated - self.trained - sum(self.dropped.values())
 
+    def generate(self, n: int) -> None:
+        """n trajectories generated and scored (one call returns both)."""
+        self.generated += n
+        self.scored += n
+
     def drop(self, reason: str, n: int) -> None:
         if n < 0 or n > self.in_flight:
             raise ValueError(f"cannot drop {n} trajectories ({reason}): only {self.in_flight} in flight")
@@ -36,6 +48,29 @@ class Ledger:
 
     def balanced(self) -> bool:
         return self.in_flight == 0
+
+    def rewind(self, checkpoint: Ledger) -> tuple[Ledger, dict[str, float]]:
+        """The ledger after the run went back to `checkpoint`, and what changed (for the RECOVERED event).
+
+        Generated stays what it is (those trajectories did exist); what was trained or dropped after
+        the checkpoint is undone with the training it went into, and everything generated after the
+        checkpoint is dropped as `recovered` (the redone steps generate their own). What the
+        checkpoint held in flight (its buffered groups) is in flight again.
+        """
+        if checkpoint.generated > self.generated:
+            raise ValueError(f"the checkpoint's ledger ({checkpoint.generated} generated) is ahead of the run's "
+                             f"({self.generated})")
+        after = Ledger(self.generated, self.scored, checkpoint.trained, Counter(checkpoint.dropped))
+        after.dropped[RECOVERED] += self.generated - checkpoint.generated
+        changes: dict[str, float] = {}
+        for reason in sorted(set(self.dropped) | set(after.dropped)):
+            delta = after.dropped[reason] - self.dropped[reason]
+            if delta:
+                changes[f"dropped/{reason}"] = float(delta)
+        if after.trained != self.trained:
+            changes["trained"] = float(after.trained - self.trained)
+        after.dropped = +after.dropped  # no zero entries
+        return after, changes
 
     def to_proto(self) -> coordinator_pb2.Ledger:
         return coordinator_pb2.Ledger(generated=self.generated, scored=self.scored, trained=self.trained,

@@ -1,21 +1,24 @@
-"""The async GRPO loop of one run.
+"""The async GRPO loop of one run (one attempt; `recovery.py` runs attempts until the run ends).
 
 A producer keeps generation ahead of training: it generates step k's groups
 as soon as they cannot be more than max_age weight versions old when trained
 (`staleness.py`; max_age = `grpo.async_grpo.max_trajectory_age_steps`, 0
 when async is off), so with max_age 0 the loop is plain synchronous
 on-policy GRPO and with max_age >= 1 generation for step k overlaps training
-of step k - 1. The trainer takes
-one step's groups, drops the stale, errored and signal-less ones (counted in
-the ledger), computes group-relative advantages, trains, and publishes the
-new weights to the rollout service.
+of step k - 1. The trainer takes one step's groups, drops the stale, errored
+and signal-less ones (counted in the ledger), computes group-relative
+advantages, trains, and publishes the new weights to the rollout service. A
+step left with no trainable group is skipped with a WARNING event; a run that
+trains nothing at all fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import Counter
 
 import ray
 import torch
@@ -25,16 +28,16 @@ from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
 from services.coordinator import checkpoints
-from services.coordinator.calls import ServiceCalls
-from services.coordinator.context import Context, LoopSettings
-from services.coordinator.groups import Group
+from services.coordinator.context import Context
+from services.coordinator.groups import Group, summarize_errors
 from services.coordinator.rollouts import rollout_groups
-from services.coordinator.runs import Run
 from services.coordinator.sft import sft_warm_start
 from services.coordinator.sync import sync_weights
 from services.coordinator.validation import validate
 
 log = logging.getLogger("rlserve.coordinator")
+# Reward-error messages shown per step in the DROPPED event; the rest are only counted.
+ERROR_MESSAGES_PER_STEP = 3
 
 
 # --- producer ---------------------------------------------------------------------------
@@ -47,32 +50,34 @@ async def produce(ctx: Context) -> None:
         step = ctx.produced_steps
         async with ctx.trainer_moved:
             await ctx.trainer_moved.wait_for(lambda: ctx.staleness.may_generate(step - ctx.trainer_step))
-        first = ctx.sampler.epoch * len(ctx.splits.train) + ctx.sampler.index
+        first = ctx.sampler.position
         examples = ctx.sampler.take(spec.grpo.num_prompts_per_step)
         groups, reward_version, timings = await rollout_groups(
             ctx.calls, spec, ctx.run.run_id, ctx.tok, examples, first, step, ctx.run.version, str(ctx.init_model))
-        n = sum(g.size for g in groups)
-        ctx.run.ledger.generated += n
-        ctx.run.ledger.scored += n
+        # Counted and queued with nothing awaited in between, so a checkpoint sees both or neither.
+        ctx.run.ledger.generate(sum(g.size for g in groups))
         if ctx.reward_version is not None and reward_version != ctx.reward_version:
             ctx.emit(pb.EVENT_KIND_REWARD_SWAP, f"reward service changed: {ctx.reward_version} -> {reward_version}")
         ctx.reward_version = reward_version
         ctx.timings[step] = timings.metrics()
         ctx.produced_steps += 1
-        await ctx.queue.put(groups)
+        ctx.queue.put(groups)
+        ctx.run.save()
         ctx.progress()
 
 
 # --- trainer ----------------------------------------------------------------------------
 
 
-def drop(ctx: Context, groups: list[Group], reason: str) -> None:
+def drop(ctx: Context, groups: list[Group], reason: str, detail: str = "") -> int:
+    """Count `groups` as dropped and announce it; returns how many trajectories that was."""
     if not groups:
-        return
+        return 0
     n = sum(g.size for g in groups)
     ctx.run.ledger.drop(reason, n)
-    ctx.emit(pb.EVENT_KIND_DROPPED, f"dropped {len(groups)} groups ({n} trajectories): {reason}",
-             {f"dropped/{reason}": float(n)})
+    ctx.emit(pb.EVENT_KIND_DROPPED, f"dropped {len(groups)} groups ({n} trajectories): {reason}"
+             + (f": {detail}" if detail else ""), {f"dropped/{reason}": float(n)})
+    return n
 
 
 def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool) -> TrainBatch:
@@ -88,37 +93,46 @@ def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: b
     return TrainBatch.from_sequences(seqs, prompt_lens, advs, gen_lps, ref_lps if with_reference else None)
 
 
+def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
+    if not rewards.numel():
+        return {"reward/mean": math.nan, "reward/std": 0.0, "reward/max": math.nan}
+    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            "reward/max": rewards.max().item()}
+
+
 async def train_step(ctx: Context, step: int) -> dict[str, float]:
     """One GRPO step: take groups -> filter -> advantages -> train -> sync weights."""
     spec, ledger = ctx.spec, ctx.run.ledger
     t0 = time.perf_counter()
     version = ctx.run.version
 
-    # 1. This step's groups; the stale ones (older than the bound) are dropped, never trained.
+    # 1. This step's groups; the stale ones (older than the bound) and those a reward plug-in
+    #    failed on are dropped, never trained.
     fresh, stale = await ctx.queue.take(spec.grpo.num_prompts_per_step, version, ctx.staleness)
     wait_s = time.perf_counter() - t0
-    drop(ctx, stale, "stale")
+    dropped = Counter({"stale": drop(ctx, stale, "stale")})
     errored = [g for g in fresh if g.reward_errors]
-    drop(ctx, errored, "reward_error")
+    dropped["reward_error"] = drop(ctx, errored, "reward_error", summarize_errors(
+        [m for g in errored for m in g.reward_errors], ERROR_MESSAGES_PER_STEP))
     scored = [g for g in fresh if not g.reward_errors]
-    rewards = torch.tensor([g.rewards for g in scored], dtype=torch.float32).reshape(len(scored), -1)
+    rewards = torch.tensor([g.rewards for g in scored], dtype=torch.float32)
+    ages = [ctx.staleness.age(version, g.weight_version) for g in fresh]
+    metrics = {**reward_metrics(rewards),
+               "batch/staleness_mean": sum(ages) / max(1, len(ages)), "batch/staleness_max": float(max(ages, default=0)),
+               "data/cursor": float(min(g.prompt_index for g in fresh + stale)), "timing/wait_for_rollouts_s": wait_s}
 
     # 2. Group-relative advantages; groups whose samples all scored alike carry no signal.
-    metrics = {"reward/mean": rewards.mean().item() if rewards.numel() else float("nan"),
-               "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-               "reward/max": rewards.max().item() if rewards.numel() else float("nan"),
-               "batch/staleness_mean": sum(ctx.staleness.age(version, g.weight_version) for g in fresh) / max(1, len(fresh)),
-               "batch/staleness_max": float(max((ctx.staleness.age(version, g.weight_version) for g in fresh),
-                                                default=0)),
-               "timing/wait_for_rollouts_s": wait_s}
     keep = torch.ones(len(scored), dtype=torch.bool)
-    if spec.grpo.skip_zero_advantage_groups and len(scored):
+    if spec.grpo.skip_zero_advantage_groups and scored:
         keep = ~zero_variance_groups(rewards)
-        drop(ctx, [g for g, k in zip(scored, keep.tolist()) if not k], "zero_advantage")
+        dropped["zero_advantage"] = drop(ctx, [g for g, k in zip(scored, keep.tolist()) if not k], "zero_advantage")
     trainable = [g for g, k in zip(scored, keep.tolist()) if k]
     metrics["batch/groups_trained"] = float(len(trainable))
+    metrics["batch/trajectories_trained"] = float(sum(g.size for g in trainable))
     if not trainable:
-        ctx.emit(pb.EVENT_KIND_INFO, f"step {step}: no group with a reward signal; no update")
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(dropped.items()) if n)
+        ctx.emit(pb.EVENT_KIND_WARNING, f"step {step + 1} skipped: no trainable group (trajectories dropped: "
+                 f"{reasons}); the policy stays at version {version}")
         return metrics
     advantages = group_advantages(rewards[keep], spec.grpo.normalize_rewards, spec.grpo.use_leave_one_out_baseline)
 
@@ -163,11 +177,14 @@ async def train(ctx: Context) -> None:
 # --- the run ------------------------------------------------------------------------------
 
 
-async def setup(ctx: Context) -> None:
-    """Configure the learner (resuming, or after an SFT warm start), publish version 0, validate."""
+async def setup(ctx: Context, resume_reason: str) -> None:
+    """Restore the last checkpoint (resuming) or configure the learner (after an SFT warm start);
+    publish the policy; validate at the start."""
     run, spec = ctx.run, ctx.spec
-    resumed = run.resume and await checkpoints.restore(ctx)
-    if not resumed:
+    restored = bool(resume_reason) and await checkpoints.restore(ctx, resume_reason)
+    if not restored:
+        if resume_reason:
+            checkpoints.start_over(ctx, resume_reason)
         if spec.sft.enabled:
             ctx.init_model = await sft_warm_start(ctx)
         info = await ctx.calls.configure(learner_pb2.ConfigureRequest(
@@ -176,13 +193,14 @@ async def setup(ctx: Context) -> None:
         ctx.emit(pb.EVENT_KIND_INFO, f"learner ready: {info.backend} backend, {info.parallel_layout}, "
                  f"{info.num_parameters / 1e6:.2f}M parameters on {info.device}")
     await sync_weights(ctx)
-    if spec.grpo.val_at_start and not resumed:
+    if spec.grpo.val_at_start and not restored:
         metrics = await validate(ctx, 0)
         run.recorder.metrics(0, metrics)
 
 
 async def finish(ctx: Context) -> None:
-    run = ctx.run
+    """Save the final policy and the plot; a run that trained nothing fails, one with skipped steps warns."""
+    run, ledger = ctx.run, ctx.run.ledger
     final = run.run_dir / "final_model"
     await ctx.calls.save_checkpoint(learner_pb2.SaveCheckpointRequest(
         run_id=run.run_id, path=str(checkpoints.step_dir(run.run_dir, run.step) / "learner"), hf_path=str(final)))
@@ -190,8 +208,17 @@ async def finish(ctx: Context) -> None:
     if ctx.spec.logger.plot_enabled:
         plot = await asyncio.to_thread(run.recorder.plot)
         run.plot_path = str(plot) if plot else ""
-    if not ctx.run.ledger.balanced():
-        raise RuntimeError(f"ledger does not balance at the end: {ctx.run.ledger.to_dict()}")
+    if not ledger.balanced():
+        raise RuntimeError(f"ledger does not balance at the end: {ledger.to_dict()}")
+    if ledger.trained == 0:
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(ledger.dropped.items()))
+        raise RuntimeError(f"the run trained nothing: all {ledger.generated} trajectories were dropped ({reasons}); "
+                           f"{final} is the initial policy")
+    skipped = [r["step"] for r in run.recorder.read("metrics.jsonl") if r.get("batch/groups_trained") == 0.0]
+    if skipped:
+        ctx.emit(pb.EVENT_KIND_WARNING, f"{len(skipped)} of {run.step} steps trained nothing (steps "
+                 f"{', '.join(map(str, skipped[:20]))}{', ...' if len(skipped) > 20 else ''}); see their WARNING "
+                 f"and DROPPED events")
     summary = f"final policy in {final}"
     if "val/reward" in run.last_metrics and ctx.initial_val is not None:
         summary += f"; held-out reward: before {ctx.initial_val:.2f} after {run.last_metrics['val/reward']:.2f}"
@@ -205,18 +232,19 @@ async def watchdog(ctx: Context) -> None:
         await asyncio.sleep(min(10.0, limit / 4))
         idle = time.monotonic() - ctx.last_progress
         if idle > limit:
+            pending = ctx.calls.oldest_pending()
+            waiting = f"waiting on {pending[0]} for {pending[1]:.0f}s; " if pending else ""
             raise RuntimeError(f"watchdog: no progress for {idle:.0f}s (limit {limit:.0f}s) at step "
-                               f"{ctx.trainer_step}; last event: {ctx.run.events[-1].message if ctx.run.events else '-'}")
+                               f"{ctx.trainer_step}; {waiting}last event: "
+                               f"{ctx.run.events[-1].message if ctx.run.events else '-'}")
 
 
-async def run_grpo(run: Run, settings: LoopSettings) -> None:
-    calls = ServiceCalls(settings.apps, run.spec.reward.endpoint, settings.retry,
-                         on_retry=lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg))
-    ctx = Context(run, calls, settings)
+async def attempt(ctx: Context, resume_reason: str) -> None:
+    """Set up (or restore), run producer and trainer under the watchdog, finish; any task's error ends it."""
     tasks: list[asyncio.Task] = []
     try:
         dog = asyncio.create_task(watchdog(ctx))
-        main = asyncio.create_task(_main(ctx, tasks))
+        main = asyncio.create_task(_main(ctx, resume_reason, tasks))
         tasks += [dog, main]
         done, _ = await asyncio.wait({dog, main}, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -225,11 +253,10 @@ async def run_grpo(run: Run, settings: LoopSettings) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await calls.close()
 
 
-async def _main(ctx: Context, tasks: list[asyncio.Task]) -> None:
-    await setup(ctx)
+async def _main(ctx: Context, resume_reason: str, tasks: list[asyncio.Task]) -> None:
+    await setup(ctx, resume_reason)
     producer = asyncio.create_task(produce(ctx))
     trainer = asyncio.create_task(train(ctx))
     tasks += [producer, trainer]
@@ -239,6 +266,3 @@ async def _main(ctx: Context, tasks: list[asyncio.Task]) -> None:
             raise task.exception()
     await trainer
     await finish(ctx)
-
-
-__all__ = ["LoopSettings", "run_grpo"]

@@ -3,8 +3,8 @@
     <runs_dir>/<run_id>/
       spec.yaml          the resolved spec (every default filled in)
       run.json           state, step, version, ledger, error (rewritten on change)
-      events.jsonl       every event of WatchRun, one per line
-      metrics.jsonl      one line per step
+      events.jsonl       every event of WatchRun, one per line (reloaded by a restarted coordinator)
+      metrics.jsonl      one line per step (rewound to the checkpoint when a run resumes)
       tensorboard/       the same metrics as TensorBoard events
       reward_curve.png   train and held-out reward per step (at the end)
       sft_model/         the SFT warm-start policy (when sft.enabled)
@@ -26,6 +26,7 @@ class Recorder:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._tensorboard = tensorboard
         self._tb = None  # opened at the first metrics, so merely loading a run writes nothing
+        self._purge_step: int | None = None  # set by rewind: TensorBoard hides earlier events from here on
 
     def write_json(self, name: str, data: Any) -> None:
         tmp = self.run_dir / f".{name}.tmp"
@@ -36,17 +37,45 @@ class Recorder:
         with open(self.run_dir / name, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
+    def read(self, name: str) -> list[dict]:
+        """The records of a JSONL file (a torn last line, from a crash while writing, is skipped)."""
+        path = self.run_dir / name
+        if not path.is_file():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
     def metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.append("metrics.jsonl", {"step": step, **metrics})
         if self._tensorboard and self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+            self._purge_step = None
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+
+    def rewind(self, step: int) -> None:
+        """Forget the metrics of steps after `step` (a resumed run redoes them, so each step is kept once).
+
+        metrics.jsonl is rewritten without them; TensorBoard's own mechanism does the same for its
+        event files: the next writer opens with `purge_step`, and TensorBoard then hides every
+        earlier event at or after that step.
+        """
+        kept = [row for row in self.read("metrics.jsonl") if row["step"] <= step]
+        tmp = self.run_dir / ".metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(row, default=str) + "\n" for row in kept))
+        tmp.replace(self.run_dir / "metrics.jsonl")
+        self.close()
+        self._purge_step = step + 1
 
     def close(self) -> None:
         if self._tb is not None:
@@ -55,10 +84,9 @@ class Recorder:
 
     def plot(self) -> Path | None:
         """Train reward and held-out reward against the step, from metrics.jsonl."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.is_file():
+        rows = self.read("metrics.jsonl")
+        if not rows:
             return None
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         import matplotlib
 
         matplotlib.use("Agg")

@@ -40,11 +40,13 @@ class BatchTimings:
         }
 
 
-def sampling_params(spec: RunSpec, greedy: bool, seed: int | None) -> common_pb2.SamplingParams:
+def sampling_params(spec: RunSpec, greedy: bool, seed: int | None, eos_ids: list[int]) -> common_pb2.SamplingParams:
+    """The spec's sampling; every EOS id of the model stops, whatever the engine takes as its EOS."""
     gen = spec.policy.generation
+    stop_ids = list(dict.fromkeys([*gen.stop_token_ids, *eos_ids]))
     params = common_pb2.SamplingParams(
         temperature=0.0 if greedy else gen.temperature, top_p=gen.top_p, top_k=gen.top_k or 0,
-        max_new_tokens=gen.max_new_tokens, stop_strings=gen.stop_strings, stop_token_ids=gen.stop_token_ids)
+        max_new_tokens=gen.max_new_tokens, stop_strings=gen.stop_strings, stop_token_ids=stop_ids)
     if seed is not None:
         params.seed = seed
     return params
@@ -55,12 +57,12 @@ def reward_functions(spec: RunSpec) -> list[reward_pb2.RewardFunctionSpec]:
                                           args_json=json.dumps(f.args)) for f in spec.reward.functions]
 
 
-async def generate(calls: ServiceCalls, spec: RunSpec, run_id: str, prompts: list[list[int]], n: int,
-                   greedy: bool, seed: int | None, min_version: int, timings: BatchTimings
+async def generate(calls: ServiceCalls, spec: RunSpec, run_id: str, prompts: list[list[int]], eos_ids: list[int],
+                   n: int, greedy: bool, seed: int | None, min_version: int, timings: BatchTimings
                    ) -> rollout_pb2.GenerateResponse:
     req = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in prompts], num_samples=n,
-        sampling=sampling_params(spec, greedy, seed), min_weight_version=min_version, run_id=run_id)
+        sampling=sampling_params(spec, greedy, seed, eos_ids), min_weight_version=min_version, run_id=run_id)
     t0 = time.perf_counter()
     resp = await calls.generate(req)
     timings.generate_s += time.perf_counter() - t0
@@ -94,8 +96,8 @@ async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: P
     """
     timings = BatchTimings()
     n = spec.grpo.num_generations_per_prompt
-    prompts = [tok.encode(ex.prompt) for ex in examples]
-    gen = await generate(calls, spec, run_id, prompts, n, greedy=False,
+    prompts = [tok.prompt_ids(ex) for ex in examples]
+    gen = await generate(calls, spec, run_id, prompts, tok.eos_ids, n, greedy=False,
                          seed=spec.grpo.seed * 1_000_003 + step, min_version=min_version, timings=timings)
     ids = [[f"{run_id}/{step}/{first_index + i}/{j}" for j in range(n)] for i in range(len(examples))]
     texts = [[s.text for s in c.samples] for c in gen.completions]
@@ -108,7 +110,8 @@ async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: P
             completions=[list(s.token_ids) for s in completion.samples],
             gen_logprobs=[list(s.logprobs) for s in completion.samples],
             rewards=[r.score for r in results], weight_version=gen.weight_version, step=step,
-            reward_errors=sum(r.status == reward_pb2.SCORE_STATUS_ERROR for r in results), ids=ids[i]))
+            reward_errors=[r.error or "the reward service gave no message" for r in results
+                           if r.status == reward_pb2.SCORE_STATUS_ERROR], ids=ids[i]))
     if spec.loss_fn.reference_policy_kl_penalty > 0:
         t0 = time.perf_counter()
         ref = await calls.logprobs(reference_pb2.LogProbsRequest(model_path=reference_model, sequences=[

@@ -30,9 +30,8 @@ async def sft_warm_start(ctx: Context) -> Path:
     reward = 0.0
     for i in range(cfg.max_num_steps):
         examples = sampler.take(cfg.batch_size)
-        prompts = [ctx.tok.encode(ex.prompt) for ex in examples]
-        seqs = [p + ctx.tok.encode(ex.answer) + [ctx.tok.eos_id] for p, ex in zip(prompts, examples)]
-        batch = TrainBatch.from_sequences(seqs, [len(p) for p in prompts])
+        seqs, prompt_lens = zip(*(ctx.tok.sft_ids(ex) for ex in examples))
+        batch = TrainBatch.from_sequences(list(seqs), list(prompt_lens))
         result = await ctx.calls.train_step(learner_pb2.TrainStepRequest(
             run_id=run.run_id, loss=learner_pb2.LOSS_KIND_SFT, learning_rate=cfg.lr, expected_weight_version=i),
             ray.put(batch))
@@ -40,7 +39,7 @@ async def sft_warm_start(ctx: Context) -> Path:
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:
             continue
         await sync_weights(ctx)
-        val = await evaluate(ctx.calls, ctx.spec, run.run_id, ctx.tok, ctx.val_examples, run.version)
+        val, _ = await evaluate(ctx.calls, ctx.spec, run.run_id, ctx.tok, ctx.val_examples, run.version)
         reward = val["val/reward"]
         ctx.emit(pb.EVENT_KIND_VALIDATION, f"SFT step {i + 1}: loss {result.metrics.get('loss/total', 0):.3f}, "
                  f"held-out reward {reward:.3f}", {"sft/loss": result.metrics.get("loss/total", 0.0),

@@ -25,7 +25,8 @@ from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec, SpecError, load_spec
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
-from rlserve.rpc import RpcError, failed_precondition, grpc_method, invalid_argument, not_found, unavailable
+from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument, not_found
+from rlserve.security.paths import PathsArgs
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2
 from rlserve.weights.store import DEFAULT_STORE_NAME
@@ -44,6 +45,8 @@ class LearnerArgs(BaseModel):
     # A rollout replica that does not answer a step of a direct weight transfer within this is
     # dropped from it (it catches up from the store copy).
     weight_transfer_timeout_s: float = 120.0
+    # Models are read from the model directories; checkpoints and exports go to the runs directory only.
+    paths: PathsArgs = PathsArgs()
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Learner:
     def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = LearnerArgs.model_validate(args or {})
+        self.paths = self.args.paths.policy()
         self.session: Session | None = None
         self.lock = asyncio.Lock()
 
@@ -91,7 +95,8 @@ class Learner:
 
     def _require(self, run_id: str) -> Session:
         if self.session is None:
-            raise failed_precondition("the learner is not configured; call Configure first")
+            raise aborted(f"the learner holds no training session for run {run_id!r} (never configured, a "
+                          f"worker died or the replica restarted); call Configure and restore a checkpoint")
         if run_id != self.session.run_id:
             raise not_found(f"run {run_id!r} is not configured on this learner (it serves {self.session.run_id!r})")
         return self.session
@@ -101,7 +106,8 @@ class Learner:
             return await asyncio.gather(*refs)
         except ray.exceptions.RayActorError as err:
             self._teardown()
-            raise unavailable(f"a learner worker died ({err.__class__.__name__}); call Configure again") from None
+            raise aborted(f"a learner worker died ({err.__class__.__name__}); its training session is gone: "
+                          f"call Configure and restore a checkpoint") from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
             if isinstance(cause, (ValueError, SpecError)):
@@ -116,10 +122,12 @@ class Learner:
             spec = load_spec(request.spec_yaml)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
+        field = "init_model_path" if request.init_model_path else "spec_yaml: policy.model_name"
+        name = self.paths.model_name(field, request.init_model_path or spec.policy.model_name)
         try:
-            model_path = resolve_model(request.init_model_path or spec.policy.model_name, spec.policy.model_seed)
+            model_path = resolve_model(name, spec.policy.model_seed)
         except ValueError as err:
-            raise invalid_argument("init_model_path", str(err)) from None
+            raise invalid_argument(field, str(err)) from None
         cl = spec.cluster
         async with self.lock:
             self._teardown()
@@ -166,8 +174,8 @@ class Learner:
                 last = session.last_step
                 if last is not None and last[0] == request.expected_weight_version:
                     return last[1]
-                raise failed_precondition(f"step expects weight version {request.expected_weight_version}, "
-                                          f"the learner is at {session.version}")
+                raise aborted(f"step expects weight version {request.expected_weight_version}, "
+                              f"the learner is at {session.version}")
             ref = batch_refs[0] if batch_refs else ray.put(batch_from_proto(request))
             results = await self._all([w.train_step.remote(ref, loss, lr) for w in session.workers])
             response = learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
@@ -197,22 +205,25 @@ class Learner:
                              ) -> learner_pb2.SaveCheckpointResponse:
         if not request.path:
             raise invalid_argument("path", "required")
+        path = self.paths.run_path("path", request.path)
+        hf_path = self.paths.run_path("hf_path", request.hf_path) if request.hf_path else None
         async with self.lock:
             session = self._require(request.run_id)
-            await self._all([w.save_checkpoint.remote(request.path) for w in session.workers])
-            if request.hf_path:
-                await self._all([w.save_hf.remote(request.hf_path) for w in session.workers])
-            version = await session.workers[0].version.remote()
-            return learner_pb2.SaveCheckpointResponse(path=request.path, weight_version=version)
+            await self._all([w.save_checkpoint.remote(str(path)) for w in session.workers])
+            if hf_path is not None:
+                await self._all([w.save_hf.remote(str(hf_path)) for w in session.workers])
+            version = (await self._all([session.workers[0].version.remote()]))[0]
+            return learner_pb2.SaveCheckpointResponse(path=str(path), weight_version=version)
 
     @grpc_method
     async def LoadCheckpoint(self, request: learner_pb2.LoadCheckpointRequest
                              ) -> learner_pb2.LoadCheckpointResponse:
-        if not (Path(request.path) / "extra.pt").is_file():
-            raise invalid_argument("path", f"{request.path} is not a learner checkpoint")
+        path = self.paths.run_path("path", request.path)
+        if not (path / "extra.pt").is_file():
+            raise invalid_argument("path", f"{request.path[:200]} is not a learner checkpoint")
         async with self.lock:
             session = self._require(request.run_id)
-            versions = await self._all([w.load_checkpoint.remote(request.path) for w in session.workers])
+            versions = await self._all([w.load_checkpoint.remote(str(path)) for w in session.workers])
             session.version, session.last_step = versions[0], None
             return learner_pb2.LoadCheckpointResponse(weight_version=versions[0])
 

@@ -16,6 +16,7 @@ from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.rpc import grpc_method, invalid_argument
+from rlserve.security.paths import PathsArgs
 from rlserve.v1 import reference_pb2
 
 log = logging.getLogger("rlserve.reference")
@@ -30,6 +31,8 @@ class ReferenceArgs(BaseModel):
     token_budget: int = 8192
     # Reference models kept loaded (runs may name their own reference folder).
     max_models: int = 2
+    # A request's model_path must lie in the model directories or the runs directory.
+    paths: PathsArgs = PathsArgs()
 
 
 @serve.deployment(max_ongoing_requests=8)
@@ -37,6 +40,7 @@ class Reference:
     def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = ReferenceArgs.model_validate(args or {})
+        self.paths = self.args.paths.policy()
         self.default_path = resolve_model(self.args.model, self.args.model_seed)
         self.scorers: OrderedDict[str, ReferenceScorer] = OrderedDict()
         self.lock = asyncio.Lock()
@@ -60,7 +64,8 @@ class Reference:
         if not request.sequences:
             raise invalid_argument("sequences", "empty request")
         async with self.lock:
-            scorer = await asyncio.to_thread(self._scorer, request.model_path or str(self.default_path))
+            path = self.paths.model_name("model_path", request.model_path) if request.model_path else None
+            scorer = await asyncio.to_thread(self._scorer, path or str(self.default_path))
             seqs = []
             for i, s in enumerate(request.sequences):
                 ids = list(s.token_ids)

@@ -20,6 +20,7 @@ from rlserve.logs import event, setup_logging
 from rlserve.rewards.loader import CombinedReward, FunctionSpec
 from rlserve.rewards.scoring import score_batch, specs_from_proto
 from rlserve.rpc import grpc_method, invalid_argument
+from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2
 
 log = logging.getLogger("rlserve.reward")
@@ -37,7 +38,10 @@ class RewardFunctionArg(BaseModel):
 class RewardArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # The deployed default (the operator's choice: cluster file or `deploy/serve swap reward`).
     functions: list[RewardFunctionArg] = [RewardFunctionArg(name="exact_match")]
+    # Plug-ins a request may name by import path (the cluster file's reward.allowed_plugins).
+    allowed_plugins: list[str] = []
 
 
 @lru_cache(maxsize=32)
@@ -52,6 +56,7 @@ class Reward:
         parsed = RewardArgs.model_validate(args or {})
         self.default = CombinedReward([FunctionSpec.make(f.name, f.import_path, f.weight, f.args)
                                        for f in parsed.functions])
+        self.plugins = PluginPolicy(parsed.allowed_plugins)
         event(log, "reward.ready", version=self.default.version,
               functions=",".join(s.name for s in self.default.specs))
 
@@ -60,7 +65,7 @@ class Reward:
         reward = self.default
         if request.functions:
             try:
-                reward = _combined(tuple(specs_from_proto(list(request.functions))))
+                reward = _combined(tuple(specs_from_proto(list(request.functions), self.plugins)))
             except ValueError as err:
                 raise invalid_argument("functions", str(err)) from None
         return await asyncio.to_thread(score_batch, reward, request)

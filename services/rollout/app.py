@@ -10,17 +10,19 @@ versions that generated its tokens.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from pathlib import Path
 
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
+from rlserve.config.spec import MAX_GENERATIONS_PER_PROMPT
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
-from rlserve.rollout.interfaces import EngineConfig, EngineSettings, SamplingSpec
-from rlserve.rpc import failed_precondition, grpc_method, invalid_argument
+from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, SamplingSpec
+from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
+from rlserve.security.paths import PathsArgs
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.follower import WeightFollower
 from rlserve.weights.specs import checkpoint_specs, fingerprint
@@ -41,11 +43,16 @@ class RolloutArgs(EngineSettings):
     weight_store: str = DEFAULT_STORE_NAME
     # A direct weight transfer that stalls this long is abandoned (the old weights keep serving).
     weight_transfer_timeout_s: float = 120.0
+    # UpdateWeights from a folder reads only inside the model directories and the runs directory.
+    paths: PathsArgs = PathsArgs()
+    # Bounds of one Generate request.
+    max_prompts: int = 100_000
+    max_samples: int = MAX_GENERATIONS_PER_PROMPT
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
-    if p.temperature < 0:
-        raise invalid_argument("sampling.temperature", f"must be >= 0, got {p.temperature}")
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise invalid_argument("sampling.temperature", f"must be a finite number >= 0, got {p.temperature}")
     if not 0 <= p.top_p <= 1:
         raise invalid_argument("sampling.top_p", f"must be in [0, 1], got {p.top_p}")
     if p.max_new_tokens <= 0:
@@ -69,6 +76,7 @@ class Rollout:
     async def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = RolloutArgs.model_validate(args or {})
+        self.paths = self.args.paths.policy()
         model_path = resolve_model(self.args.model, self.args.model_seed)
         settings = self.args.model_dump(include=set(EngineSettings.model_fields))
         self.engine = make_engine(self.args.engine, EngineConfig(model_path=model_path, **settings))
@@ -93,6 +101,9 @@ class Rollout:
     def _prompts(self, request: rollout_pb2.GenerateRequest, max_new_tokens: int) -> list[list[int]]:
         if not request.prompts:
             raise invalid_argument("prompts", "empty request: give at least one prompt")
+        if len(request.prompts) > self.args.max_prompts:
+            raise invalid_argument("prompts", f"{len(request.prompts)} prompts; at most {self.args.max_prompts} "
+                                              f"in one request")
         prompts = []
         for i, p in enumerate(request.prompts):
             kind = p.WhichOneof("content")
@@ -112,8 +123,8 @@ class Rollout:
     @grpc_method
     async def Generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         sampling = sampling_from_proto(request.sampling)
-        if request.num_samples < 0:
-            raise invalid_argument("num_samples", f"must be >= 0, got {request.num_samples}")
+        if not 0 <= request.num_samples <= self.args.max_samples:
+            raise invalid_argument("num_samples", f"must be in 0..{self.args.max_samples}, got {request.num_samples}")
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
         await self.weights.sync(request.min_weight_version)
@@ -121,11 +132,17 @@ class Rollout:
         if request.run_id and served and request.run_id != served:
             raise failed_precondition(f"this rollout serves the weights of run {served!r}, "
                                       f"not {request.run_id!r}")
-        if self.weights.version < request.min_weight_version:
-            raise failed_precondition(f"weight version {request.min_weight_version} is not published "
-                                      f"(newest: {self.weights.version})")
+        version = self.weights.version
+        if version < request.min_weight_version:
+            # The run's weights are gone from here (the weight store was lost): the caller must
+            # publish them again, which retrying this call cannot do.
+            raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
+                          f"serves {version})")
         t0 = time.perf_counter()
-        outputs = await self.engine.generate(prompts, n, sampling)
+        try:
+            outputs = await self.engine.generate(prompts, n, sampling)
+        except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
+            raise invalid_argument("sampling", str(err)) from None
         engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[
@@ -145,8 +162,8 @@ class Rollout:
         if source is None:
             raise invalid_argument("source", "give store_name or safetensors_path")
         if source == "safetensors_path":
-            await self.weights.publish_folder(Path(request.safetensors_path), request.version, request.force,
-                                              request.in_flight)
+            folder = self.paths.model("safetensors_path", request.safetensors_path)
+            await self.weights.publish_folder(folder, request.version, request.force, request.in_flight)
         elif request.store_name != self.args.weight_store:
             raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
         applied = await self.weights.update_to(request.version, request.in_flight)

@@ -1,5 +1,5 @@
 """The DTensor/FSDP2 backend on gloo: 2 ranks (FSDP, TP, TP+SP) match 1 rank, packing matches
-padding, and save -> load -> continue is bit-identical to an uninterrupted run."""
+padding (also on 2 ranks), and save -> load -> continue is bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -66,6 +66,14 @@ def test_two_ranks_match_one(reference_run, layout):
 def test_packed_matches_padded(reference_run):
     (packed,) = run_ranks(1, train, spec_dict(1, packed=True), STEPS)
     assert_same(reference_run, packed)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2_sp"])
+def test_packed_on_two_ranks_matches_one(reference_run, layout):
+    """Packed attention under FSDP (ranks get token-balanced shares) and under TP + SP (local heads)."""
+    tp, sp = {"fsdp2": (1, False), "tp2_sp": (2, True)}[layout]
+    results = run_ranks(2, train, spec_dict(2, tp=tp, sp=sp, packed=True), STEPS)
+    assert_same(reference_run, results[0])
 
 
 def test_save_load_continue_is_bit_identical(tmp_path):

@@ -5,7 +5,7 @@
   and its exported weights to 2e-5 (the dtensor tests' own tolerance between layouts);
   measured here: 3e-8 and 3e-6. SFT steps and an lr override agree the same way.
 - 2 ranks as DP, TP and PP match 1 rank (losses, grad norm, entropy, weights); packing
-  matches padding (also under PP); moe-tiny trains and exports with EP 1 and EP 2 (which
+  matches padding (also under PP and TP); moe-tiny trains and exports with EP 1 and EP 2 (which
   agree); export names and shapes are the HF checkpoint's.
 - Save -> load -> continue is bit-identical to an uninterrupted run (distributed optimizer, DP 2).
 - Unknown passthrough keys are refused with close matches; without CUDA (and without the
@@ -110,6 +110,7 @@ def world2(tmp_path_factory) -> list[dict]:
         ("tp2", "megatron", spec_dict(2, tensor_model_parallel_size=2), STEPS, {}),
         ("pp2", "megatron", spec_dict(2, pipeline_model_parallel_size=2), STEPS, {}),
         ("pp2_packed", "megatron", spec_dict(2, packed=True, pipeline_model_parallel_size=2), STEPS, {}),
+        ("tp2_packed", "megatron", spec_dict(2, packed=True, tensor_model_parallel_size=2), STEPS, {}),
         ("moe_ep2", "megatron", spec_dict(2, model="preset:moe-tiny", expert_model_parallel_size=2), 2, {}),
         ("full", "megatron", spec_dict(2), 4, {}),
         ("first_half", "megatron", spec_dict(2), 2, {"save_to": ckpt}),
@@ -152,9 +153,10 @@ def test_export_names_and_shapes_are_the_checkpoints(world1):
 
 
 def test_packed_matches_padded(world1, world2):
-    # Packed rows: block-diagonal causal mask (local spec); with PP=2 every micro-batch of a
-    # minibatch is padded to one shape.
-    for packed in (world1["packed"], world2[0]["pp2_packed"]):
+    # Packed rows: "thd" PackedSeqParams, RoPE per sequence, per-sequence attention without a mask
+    # (the CPU fallback of rlserve.training.attention); with PP=2 every micro-batch of a minibatch
+    # is padded to one shape; with TP=2 the logprobs are vocab-parallel over the scored rows.
+    for packed in (world1["packed"], world2[0]["pp2_packed"], world2[0]["tp2_packed"]):
         assert packed["losses"] == pytest.approx(world1["megatron"]["losses"], abs=LOSS_ATOL)
         assert_close_weights(world1["megatron"]["weights"], packed["weights"])
 

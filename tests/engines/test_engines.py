@@ -87,6 +87,15 @@ def test_concurrent_requests_share_the_engine(vllm_engine, loop):
     assert loop.run(vllm_engine.generate(PROMPTS, 1, greedy)) == loop.run(vllm_engine.generate(PROMPTS, 1, greedy))
 
 
+def test_seeded_sampling_of_a_batch_beyond_one_scheduler_step(vllm_engine, loop):
+    """64 prompts x 8 samples x 40 tokens (20k prompt tokens, several scheduler steps) with seeds,
+    as a GRPO step with chat-template prompts sends them; vLLM's CPU backend used to fail here.
+    (Before any test that starts a second engine: its teardown leaves this one unusable.)"""
+    prompts = [[5 + (i + j) % 40 for j in range(40)] for i in range(64)]
+    out = loop.run(vllm_engine.generate(prompts, 8, SamplingSpec(temperature=1.0, max_new_tokens=4, seed=7)))
+    assert [len(ss) for ss in out] == [8] * 64 and all(len(s.token_ids) > 0 for ss in out for s in ss)
+
+
 def test_update_from_the_store_switches_models_exactly(vllm_engine, loop, other_model):
     base = resolve_model("preset:tiny")
     sampling = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5)
@@ -207,3 +216,20 @@ def test_tied_embeddings_are_refused_on_cpu(tmp_path, loop):
 
     with pytest.raises(ValueError, match="tied embeddings"):
         loop.run(run())
+
+
+def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():
+    from vllm.tokenizers import get_tokenizer
+
+    from rlserve.data.prompts import PromptTokenizer
+    from rlserve.data.tasks import Example
+
+    path = resolve_model("preset:tiny-chat")
+    ours = PromptTokenizer(path, "chat", "Be brief.")
+    tok = get_tokenizer(path)
+    ex = Example("What is 47+85?", "132")
+    messages = ours.messages(ex)
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False) \
+        == ours.prompt_ids(ex)
+    assert tok.encode("What is 47+85?", add_special_tokens=False) == ours.encode("What is 47+85?")
+    assert tok.eos_token_id == ours.eos_ids[0]

@@ -1,20 +1,53 @@
-"""One real local Ray cluster with every Serve app, shared by all integration tests.
+"""Real local Ray clusters with every Serve app for the integration tests.
 
-It is brought up once per session with the same code as `deploy/serve up`
-(a Ray head bound to loopback, Serve's gRPC proxy, the five applications
-from a cluster file) and torn down at the end.
+`test_cluster` is ONE cluster shared by the session (`cluster.yaml`); tests that stop a cluster or lose a
+node bring up one of their own with `running_cluster` (other ports, its own runs directory), so they
+neither disturb the shared one nor depend on test order. Each is brought up with the same code as
+`deploy/serve up` (a Ray head bound to loopback, extra nodes if the file has any, the authenticating
+gateway, the services) and torn down at the end. Authentication is on, with the token files `up`
+creates; the clusters expose the internal services to the admin token, which the `channel` fixture
+carries (tests of the services call them directly). `CoordinatorClient` finds the user token the way
+`rlserve` does, from the record `up` wrote.
 """
 
 from __future__ import annotations
 
+import collections
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import yaml
 
 HERE = Path(__file__).parent
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer TOKEN` to every call of a channel."""
+
+    class _Details(collections.namedtuple("_Details", ["method", "timeout", "metadata", "credentials",
+                                                       "wait_for_ready", "compression"]),
+                   grpc.ClientCallDetails):
+        pass
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {self.token}")]
+        return self._Details(details.method, details.timeout, metadata, details.credentials,
+                             details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_token(client_call_details), request)
 
 
 @dataclass
@@ -23,23 +56,59 @@ class TestCluster:
     endpoint: str
     runs_dir: Path
     cluster_file: Path
+    # Inside the cluster file's model_dirs and data_dirs: where tests put models and data they name.
+    models_dir: Path
+    data_dir: Path
+    # An allow-listed reward plug-in file: it raises for the completion '9' and scores 0.5 otherwise.
+    plugin: str
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.endpoint)
+    def token(self, admin: bool = False) -> str:
+        from rlserve.security.tokens import read_tokens
+
+        return read_tokens(self.cluster.token_files[1 if admin else 0])[0]
+
+    def channel(self, token: str | None = None) -> grpc.Channel:
+        """A channel to the endpoint that sends `token` with every call (none: no token)."""
+        channel = grpc.insecure_channel(self.endpoint)
+        return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
-def metadata(app: str) -> tuple[tuple[str, str], ...]:
-    return (("application", app),)
+def listeners_of(pid_file: Path, include_this_process: bool = False) -> list:
+    """Listening sockets of the process group a node's pid file names (ray start and all it spawned)."""
+    pgid = os.getpgid(int(pid_file.read_text()))
+    ours = {p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid}
+    if include_this_process:
+        ours.add(os.getpid())
+    return [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in ours]
 
 
-@pytest.fixture(scope="session")
-def test_cluster(tmp_path_factory) -> TestCluster:
+def is_loopback(ip: str) -> bool:
+    return ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+@contextmanager
+def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
+    """Bring up the cluster of `cluster_yaml` with its runs under `root`; tear it down afterwards."""
     from rlserve.cluster.config import load_cluster_file
     from rlserve.cluster.lifecycle import Cluster, down, up
 
-    root = tmp_path_factory.mktemp("cluster")
-    data = yaml.safe_load((HERE / "cluster.yaml").read_text())
-    data["runs_dir"] = str(root / "runs")
+    data = yaml.safe_load(cluster_yaml.read_text())
+    data.update({"runs_dir": str(root / "runs"), "model_dirs": [str(root / "models")],
+                 "data_dirs": [str(root / "data")]})
+    (root / "models").mkdir()
+    (root / "data").mkdir()
+    plugin = root / "plugins" / "flaky.py"
+    plugin.parent.mkdir()
+    plugin.write_text("def reward(item):\n    if item.completion == '9':\n        raise KeyError('oops')\n"
+                      "    return 0.5\n")
+    data.setdefault("reward", {}).setdefault("allowed_plugins", []).append(f"{plugin}:reward")
     cluster_file = root / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(data))
     cfg, runs_dir = load_cluster_file(cluster_file)
@@ -47,13 +116,31 @@ def test_cluster(tmp_path_factory) -> TestCluster:
     down(cluster)  # a leftover from an interrupted session
     up(cluster)
     try:
-        yield TestCluster(cluster, cluster.grpc_endpoint, runs_dir, cluster_file)
+        yield TestCluster(cluster, cluster.grpc_endpoint, runs_dir, cluster_file, root / "models", root / "data",
+                          f"{plugin}:reward")
     finally:
         down(cluster)
 
 
 @pytest.fixture(scope="session")
+def test_cluster(tmp_path_factory) -> TestCluster:
+    with running_cluster(HERE / "cluster.yaml", tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def ray_driver(test_cluster) -> TestCluster:
+    """This process attached to the shared cluster as a Ray driver (a test with a cluster of its own may
+    have attached it elsewhere)."""
+    from rlserve.cluster.lifecycle import connect
+
+    connect(test_cluster.cluster)
+    return test_cluster
+
+
+@pytest.fixture(scope="session")
 def channel(test_cluster) -> grpc.Channel:
-    ch = test_cluster.channel()
+    """A channel with the admin token: it reaches the internal services (the test cluster exposes them)."""
+    ch = test_cluster.channel(test_cluster.token(admin=True))
     yield ch
     ch.close()

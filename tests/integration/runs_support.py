@@ -1,9 +1,12 @@
-"""Helpers for coordinator tests: small specs, and waiting on a run's events."""
+"""Helpers for coordinator tests: small specs, waiting on a run's events (always with a deadline, so a
+hung stream fails the test), and checks of a finished run against its own records."""
 
 from __future__ import annotations
 
 import copy
-import time
+import json
+from collections import Counter
+from pathlib import Path
 
 import yaml
 
@@ -38,23 +41,48 @@ def spec(**overrides) -> str:
     return yaml.safe_dump(data)
 
 
-def events_until_end(client: CoordinatorClient, run_id: str, timeout_s: float = 300) -> list[pb.RunEvent]:
-    deadline = time.time() + timeout_s
-    events = []
-    for ev in client.watch(run_id):
-        events.append(ev)
-        assert time.time() < deadline, f"run {run_id} did not end within {timeout_s}s"
-    return events
+def events_until_end(client: CoordinatorClient, run_id: str, timeout_s: float = 300,
+                     from_sequence: int = 0) -> list[pb.RunEvent]:
+    return list(client.watch(run_id, from_sequence, timeout_s=timeout_s))
 
 
-def wait_for(client: CoordinatorClient, run_id: str, kind: int, timeout_s: float = 120) -> pb.RunEvent:
-    deadline = time.time() + timeout_s
-    for ev in client.watch(run_id):
-        if ev.kind == kind:
+def wait_for(client: CoordinatorClient, run_id: str, kind: int, timeout_s: float = 120,
+             where=lambda ev: True) -> pb.RunEvent:
+    for ev in client.watch(run_id, timeout_s=timeout_s):
+        if ev.kind == kind and where(ev):
             return ev
-        assert time.time() < deadline
     raise AssertionError(f"run {run_id} ended without a {pb.EventKind.Name(kind)} event")
 
 
 def metric_events(events: list[pb.RunEvent]) -> list[dict[str, float]]:
     return [dict(ev.metrics) for ev in events if ev.kind == pb.EVENT_KIND_STEP]
+
+
+def metric_rows(run: pb.Run) -> list[dict]:
+    return [json.loads(line) for line in (Path(run.run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_records_agree(run: pb.Run, events: list[pb.RunEvent]) -> None:
+    """A finished run's ledger against what it announced and recorded, from independent sources:
+    nothing in flight; each drop reason equals the sum of its DROPPED (and RECOVERED) events; trained
+    equals both the STEP events' trajectories (plus RECOVERED rewinds) and, over metrics.jsonl (each
+    step once), groups trained x group size; event sequence numbers are 0, 1, 2, ..."""
+    ledger, group_size = run.ledger, _group_size(run)
+    assert [ev.sequence for ev in events] == list(range(len(events))), "sequence numbers have gaps or repeats"
+    assert ledger.in_flight == 0, ledger
+    announced = Counter()
+    for ev in events:
+        if ev.kind in (pb.EVENT_KIND_DROPPED, pb.EVENT_KIND_RECOVERED):
+            announced.update({k.removeprefix("dropped/"): v for k, v in ev.metrics.items() if k.startswith("dropped/")})
+    assert {k: v for k, v in announced.items() if v} == {k: float(v) for k, v in ledger.dropped.items() if v}
+    trained_events = sum(ev.metrics["batch/trajectories_trained"] for ev in events if ev.kind == pb.EVENT_KIND_STEP)
+    trained_events += sum(ev.metrics.get("trained", 0.0) for ev in events if ev.kind == pb.EVENT_KIND_RECOVERED)
+    rows = [r for r in metric_rows(run) if r["step"] >= 1]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, run.step + 1)), f"metrics.jsonl steps {steps}"
+    assert ledger.trained == trained_events == sum(r["batch/groups_trained"] * group_size for r in rows)
+
+
+def _group_size(run: pb.Run) -> int:
+    spec_data = yaml.safe_load((Path(run.run_dir) / "spec.yaml").read_text())
+    return spec_data["grpo"]["num_generations_per_prompt"]

@@ -21,7 +21,6 @@ from rlserve.models import resolve_model
 from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from rlserve.weights.store import DEFAULT_STORE_NAME, STORE_NAMESPACE
-from tests.integration.conftest import metadata
 
 RUN = "in-flight-test"
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]
@@ -32,8 +31,7 @@ SFT_BATCH = [learner_pb2.TrainSequence(token_ids=[8, 11, 41, 12, 9, 47, 6, 7, 5,
 def long_generate(stub, n: int, seed: int) -> rollout_pb2.GenerateResponse:
     return stub.Generate(rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in PROMPTS], num_samples=n,
-        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=TOKENS, min_new_tokens=TOKENS, seed=seed)),
-        metadata=metadata("rollout"), timeout=600)
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=TOKENS, min_new_tokens=TOKENS, seed=seed)), timeout=600)
 
 
 class Background(threading.Thread):
@@ -59,7 +57,7 @@ class Background(threading.Thread):
 def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
     seen = {}
     for _ in range(calls):
-        info = stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout"))
+        info = stub.GetInfo(rollout_pb2.GetInfoRequest())
         seen[info.replica_id] = (info.run_id, info.weight_version)
     return seen
 
@@ -67,7 +65,7 @@ def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
 def wait_until_generating(stub) -> None:
     """A replica reports requests running (the generation is in the engine)."""
     deadline = time.time() + 60
-    while stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout")).activity.requests_running == 0:
+    while stub.GetInfo(rollout_pb2.GetInfoRequest()).activity.requests_running == 0:
         assert time.time() < deadline, "the generation did not start"
         time.sleep(0.05)
 
@@ -98,22 +96,20 @@ def logprob_errors(resp: rollout_pb2.GenerateResponse, model_dir) -> list[list[f
 def learner(channel):
     stub = learner_pb2_grpc.LearnerStub(channel)
     spec = "policy: {max_total_sequence_length: 64, generation: {max_new_tokens: 8}}"
-    stub.Configure(learner_pb2.ConfigureRequest(run_id=RUN, spec_yaml=spec), metadata=metadata("learner"))
+    stub.Configure(learner_pb2.ConfigureRequest(run_id=RUN, spec_yaml=spec))
     return stub
 
 
 def train_and_export(learner, version: int, in_flight: bool) -> Background:
     learner.TrainStep(learner_pb2.TrainStepRequest(run_id=RUN, loss=learner_pb2.LOSS_KIND_SFT, sequences=SFT_BATCH,
-                                                   learning_rate=1e-2, expected_weight_version=version - 1),
-                      metadata=metadata("learner"))
+                                                   learning_rate=1e-2, expected_weight_version=version - 1))
     return Background(lambda: learner.ExportWeights(learner_pb2.ExportWeightsRequest(
-        run_id=RUN, direct=True, in_flight=in_flight), metadata=metadata("learner"), timeout=600))
+        run_id=RUN, direct=True, in_flight=in_flight), timeout=600))
 
 
-def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learner, tmp_path):
+def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learner, test_cluster):
     stub = rollout_pb2_grpc.RolloutStub(channel)
-    first = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id=RUN, direct=True),
-                                  metadata=metadata("learner"))
+    first = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id=RUN, direct=True))
     assert first.weight_version == 0 and first.receivers == 0  # a session's first version: the store copy only
     wait_for_versions(stub, 0)
 
@@ -132,9 +128,9 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     assert all(r[0][0] == 0 and r[1][0] == 1 and r[0][2] == r[1][1] and r[1][2] == TOKENS for r in mixed)
     assert resp.weight_version == 0  # the oldest version in the response
 
-    v1 = tmp_path / "v1"
-    learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id=RUN, path=str(tmp_path / "ckpt"), hf_path=str(v1)),
-                           metadata=metadata("learner"))
+    # Checkpoints and exports go inside the runs directory (relative paths are taken from there).
+    v1 = test_cluster.runs_dir / RUN / "v1"
+    learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id=RUN, path=f"{RUN}/ckpt", hf_path=str(v1)))
     errors = {0: logprob_errors(resp, resolve_model("preset:tiny")), 1: logprob_errors(resp, v1)}
     for k, sample_runs in enumerate(runs):
         for version, start, end in sample_runs:

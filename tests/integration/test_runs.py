@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
-from tests.integration.runs_support import TERMINAL, events_until_end, metric_events, spec, wait_for
+from tests.integration.runs_support import assert_records_agree, events_until_end, metric_events, spec, wait_for
 from tests.support.dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,10 +39,8 @@ def test_short_run_completes_with_a_balanced_ledger(client):
     events = events_until_end(client, run.run_id)
     run = client.get(run.run_id)
     assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
-    ledger = run.ledger
-    assert ledger.generated == 3 * 8 * 4 == ledger.scored
-    assert ledger.in_flight == 0 and ledger.generated == ledger.trained + sum(ledger.dropped.values())
-    assert ledger.trained > 0
+    assert run.ledger.generated == 3 * 8 * 4 and run.ledger.trained > 0
+    assert_records_agree(run, events)
     assert {pb.EVENT_KIND_STATE, pb.EVENT_KIND_STEP, pb.EVENT_KIND_WEIGHT_SYNC, pb.EVENT_KIND_VALIDATION,
             pb.EVENT_KIND_CHECKPOINT} <= kinds(events)
     steps = metric_events(events)
@@ -73,14 +71,20 @@ def test_no_trained_group_is_older_than_the_bound(client, max_age):
 
 
 def test_cancel_stops_a_run_and_the_services_stay_usable(client):
-    run = client.submit(spec(grpo__max_num_steps=200, grpo__val_period=0, checkpointing__enabled=False))
+    """CancelRun answers CANCELLING; the run then ends CANCELLED with what was in flight dropped as
+    `cancelled` (the producer runs a step ahead, so something is)."""
+    run = client.submit(spec(grpo__max_num_steps=200, grpo__val_period=0, checkpointing__enabled=False,
+                             grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": 1}))
     wait_for(client, run.run_id, pb.EVENT_KIND_STEP)
-    client.cancel(run.run_id)
-    deadline = time.time() + 60
-    while client.get(run.run_id).state not in TERMINAL:
-        assert time.time() < deadline
-        time.sleep(0.5)
-    assert client.get(run.run_id).state == pb.RUN_STATE_CANCELLED
+    assert client.cancel(run.run_id).state in (pb.RUN_STATE_CANCELLING, pb.RUN_STATE_CANCELLED)
+    events = events_until_end(client, run.run_id, timeout_s=60)
+    final = client.get(run.run_id)
+    assert final.state == pb.RUN_STATE_CANCELLED and final.error.startswith("by CancelRun at step")
+    states = [ev.message.split(":")[0] for ev in events if ev.kind == pb.EVENT_KIND_STATE]
+    assert states[-2:] == ["cancelling", "cancelled"]
+    assert final.ledger.dropped["cancelled"] > 0
+    assert_records_agree(final, events)
+    assert client.cancel(run.run_id).state == pb.RUN_STATE_CANCELLED  # cancelling again changes nothing
     again = client.submit(spec(grpo__max_num_steps=1, grpo__val_period=0))
     events_until_end(client, again.run_id)
     assert client.get(again.run_id).state == pb.RUN_STATE_SUCCEEDED
@@ -88,12 +92,12 @@ def test_cancel_stops_a_run_and_the_services_stay_usable(client):
 
 @pytest.mark.parametrize("text, code, field", [
     (spec(grpo__num_prompts_per_stpe=3), grpc.StatusCode.INVALID_ARGUMENT, "grpo.num_prompts_per_stpe"),
-    (spec(policy__model_name="/no/such/model"), grpc.StatusCode.INVALID_ARGUMENT, "policy.model_name"),
-    (spec(policy__model_name="preset:small"), grpc.StatusCode.FAILED_PRECONDITION, "policy.model_name"),
+    (spec(policy__model_name="no-such-model"), grpc.StatusCode.INVALID_ARGUMENT, "policy.model_name"),
+    (spec(policy__model_name="/no/such/model"), grpc.StatusCode.PERMISSION_DENIED, "policy.model_name"),
     (spec(policy__max_total_sequence_length=200), grpc.StatusCode.FAILED_PRECONDITION,
      "policy.max_total_sequence_length"),
-    (spec(reward__functions=[{"name": "x", "import_path": "no_such_mod:f"}]), grpc.StatusCode.FAILED_PRECONDITION,
-     "reward.functions"),
+    (spec(reward__functions=[{"name": "x", "import_path": "no_such_mod:f"}]), grpc.StatusCode.PERMISSION_DENIED,
+     "reward.functions.0.import_path"),
     ("[1, 2", grpc.StatusCode.INVALID_ARGUMENT, "spec_yaml"),
     # The engine is deployed with the cluster: a run may state it, not change it.
     (spec(policy__generation__backend="transformers"), grpc.StatusCode.FAILED_PRECONDITION,
@@ -108,6 +112,19 @@ def test_bad_specs_are_refused_naming_the_field(client, text, code, field):
         client.submit(text)
     assert err.value.code() == code
     assert field in err.value.details()
+
+
+def test_a_run_that_cannot_work_fails_in_its_preflight(client):
+    """A model of another architecture than the rollout serves: SubmitRun queues it at once (no model is
+    built in the request handler), the preflight fails it naming the field, and the next run still runs."""
+    run = client.submit(spec(policy__model_name="preset:small"))
+    assert run.state == pb.RUN_STATE_QUEUED
+    events = events_until_end(client, run.run_id)
+    final = client.get(run.run_id)
+    assert final.state == pb.RUN_STATE_FAILED and final.step == 0
+    assert final.error.startswith("preflight:") and "policy.model_name" in final.error
+    assert any(ev.kind == pb.EVENT_KIND_ERROR for ev in events)
+    assert not any(ev.kind == pb.EVENT_KIND_STEP for ev in events)
 
 
 def test_unknown_runs_are_not_found(client):
@@ -133,10 +150,12 @@ def start_reward_server(**popen_kwargs) -> tuple[subprocess.Popen, int]:
 def test_an_external_reward_server_replaces_the_reward_service(client):
     server, port = start_reward_server(stderr=subprocess.PIPE, text=True)
     try:
-        run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", reward__functions=None,
-                                 grpo__max_num_steps=2))
+        # The spec's functions (partial-credit exact match) travel with each request, so the steps have a
+        # reward signal to train on (a run that trains nothing fails).
+        run = client.submit(spec(reward__endpoint=f"127.0.0.1:{port}", grpo__max_num_steps=2))
         events_until_end(client, run.run_id)
-        assert client.get(run.run_id).state == pb.RUN_STATE_SUCCEEDED
+        final = client.get(run.run_id)
+        assert final.state == pb.RUN_STATE_SUCCEEDED, final.error
     finally:
         server.terminate()
         log = server.communicate(timeout=30)[1]
@@ -185,3 +204,5 @@ def test_a_service_that_stays_down_fails_the_run_with_retries_then_an_error(clie
     retries = [ev for ev in events if ev.kind == pb.EVENT_KIND_RETRY]
     assert len(retries) == 3 and all("reward.Score" in ev.message for ev in retries)
     assert any(ev.kind == pb.EVENT_KIND_ERROR for ev in events)
+    assert not any(ev.kind == pb.EVENT_KIND_RECOVERED for ev in events), "a service that is down is not lost state"
+    assert_records_agree(final, events)  # what was in flight is dropped as `failed`

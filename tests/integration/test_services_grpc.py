@@ -1,6 +1,6 @@
-"""Rollout, reward, reference and learner through Serve's gRPC proxy with a plain grpcio client,
-and through DeploymentHandles with the same messages; bad requests get a status naming the field
-and the services stay up."""
+"""Rollout, reward, reference and learner through the gateway with a plain grpcio client (the test
+cluster exposes them to its admin token), and through DeploymentHandles with the same messages; bad
+requests get a status naming the field and the services stay up."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from rlserve.v1 import (
     rollout_pb2,
     rollout_pb2_grpc,
 )
-from tests.integration.conftest import metadata
 
 PROMPT = [8, 11, 41, 12, 9, 47]
 
@@ -42,17 +41,16 @@ def status_of(call) -> grpc.RpcError:
 
 def test_rollout_over_grpc(channel):
     stub = rollout_pb2_grpc.RolloutStub(channel)
-    info = stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout"))
+    info = stub.GetInfo(rollout_pb2.GetInfoRequest())
     assert info.engine == "vllm" and info.max_model_len == 128 and info.architecture_fingerprint
-    resp = stub.Generate(gen_request(n=3, seed=1), metadata=metadata("rollout"))
+    resp = stub.Generate(gen_request(n=3, seed=1))
     (completion,) = resp.completions
     assert list(completion.prompt_token_ids) == PROMPT and len(completion.samples) == 3
     for s in completion.samples:
         assert len(s.token_ids) == len(s.logprobs) > 0
         assert s.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
     text = stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="47+85=")], num_samples=1,
-                                                     sampling=common_pb2.SamplingParams(max_new_tokens=4)),
-                         metadata=metadata("rollout"))
+                                                     sampling=common_pb2.SamplingParams(max_new_tokens=4)))
     assert list(text.completions[0].prompt_token_ids) == PROMPT
 
 
@@ -66,13 +64,13 @@ def test_rollout_over_grpc(channel):
 ])
 def test_rollout_rejects_bad_requests(channel, request_, field):
     stub = rollout_pb2_grpc.RolloutStub(channel)
-    err = status_of(lambda: stub.Generate(request_, metadata=metadata("rollout")))
+    err = status_of(lambda: stub.Generate(request_))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details().startswith(field + ":")
-    assert stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout")).engine == "vllm"
+    assert stub.GetInfo(rollout_pb2.GetInfoRequest()).engine == "vllm"
 
 
-def test_rollout_through_a_handle(test_cluster):
+def test_rollout_through_a_handle(ray_driver):
     handle = serve.get_app_handle("rollout")
     resp = handle.Generate.remote(gen_request(n=2, seed=4)).result()
     assert len(resp.completions[0].samples) == 2 and resp.replica_id
@@ -81,24 +79,25 @@ def test_rollout_through_a_handle(test_cluster):
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_reward_over_grpc_isolates_failing_items(channel, tmp_path):
+def test_reward_over_grpc_isolates_failing_items(channel, test_cluster):
     stub = reward_pb2_grpc.RewardStub(channel)
     items = [reward_pb2.ScoreItem(id="a", completion="231", reference_answer="231"),
              reward_pb2.ScoreItem(id="b", completion="9", reference_answer="231")]
-    resp = stub.Score(reward_pb2.ScoreRequest(items=items), metadata=metadata("reward"))
+    resp = stub.Score(reward_pb2.ScoreRequest(items=items))
     assert [r.score for r in resp.results] == [1.0, 0.0] and resp.reward_version
-    plugin = tmp_path / "plug.py"
-    plugin.write_text("def reward(item):\n    if item.completion == '9':\n        raise KeyError('oops')\n"
-                      "    return 0.5\n")
+    # The allow-listed plug-in file raises for one item: that item is an error, the batch is scored.
     resp = stub.Score(reward_pb2.ScoreRequest(items=items, functions=[
-        reward_pb2.RewardFunctionSpec(name="plug", import_path=str(plugin))]), metadata=metadata("reward"))
+        reward_pb2.RewardFunctionSpec(name="plug", import_path=test_cluster.plugin)]))
     assert [r.status for r in resp.results] == [reward_pb2.SCORE_STATUS_OK, reward_pb2.SCORE_STATUS_ERROR]
     assert resp.num_errors == 1 and "oops" in resp.results[1].error
     err = status_of(lambda: stub.Score(reward_pb2.ScoreRequest(items=items, functions=[
-        reward_pb2.RewardFunctionSpec(name="x", import_path="no_such_module:f")]), metadata=metadata("reward")))
+        reward_pb2.RewardFunctionSpec(name="x", import_path="no_such_module:f")])))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.details().startswith("functions[0].import_path:") and "reward.allowed_plugins" in err.details()
+    err = status_of(lambda: stub.Score(reward_pb2.ScoreRequest(items=items, functions=[
+        reward_pb2.RewardFunctionSpec(name="nope")])))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("functions:")
-    err = status_of(lambda: stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(metadata_json="{")]),
-                                       metadata=metadata("reward")))
+    err = status_of(lambda: stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(metadata_json="{")])))
     assert err.details().startswith("items[0].metadata_json:")
 
 
@@ -108,9 +107,8 @@ def test_reference_matches_rollout_logprobs(channel, test_cluster):
 
     model = resolve_model("preset:tiny")
     rollout = rollout_pb2_grpc.RolloutStub(channel)
-    rollout.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=10_000, safetensors_path=str(model), force=True),
-                          metadata=metadata("rollout"))
-    resp = rollout.Generate(gen_request(prompts=(PROMPT, [5, 6, 42]), n=4, seed=2), metadata=metadata("rollout"))
+    rollout.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=10_000, safetensors_path=str(model), force=True))
+    resp = rollout.Generate(gen_request(prompts=(PROMPT, [5, 6, 42]), n=4, seed=2))
     seqs, lps = [], []
     for c in resp.completions:
         for s in c.samples:
@@ -118,24 +116,24 @@ def test_reference_matches_rollout_logprobs(channel, test_cluster):
                                                      prompt_length=len(c.prompt_token_ids)))
             lps.append(list(s.logprobs))
     ref = reference_pb2_grpc.ReferenceStub(channel).LogProbs(
-        reference_pb2.LogProbsRequest(sequences=seqs, model_path=str(model)), metadata=metadata("reference"))
+        reference_pb2.LogProbsRequest(sequences=seqs, model_path=str(model)))
     err = max(abs(a - b) for r, g in zip(ref.sequences, lps) for a, b in zip(r.logprobs, g))
     assert err < 1e-4
     bad = status_of(lambda: reference_pb2_grpc.ReferenceStub(channel).LogProbs(reference_pb2.LogProbsRequest(
-        sequences=[reference_pb2.ScoredSequence(token_ids=[1, 2], prompt_length=2)]), metadata=metadata("reference")))
+        sequences=[reference_pb2.ScoredSequence(token_ids=[1, 2], prompt_length=2)])))
     assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.details().startswith("sequences[0].prompt_length:")
 
 
 def test_learner_rejects_bad_specs_and_unknown_runs(channel):
     stub = learner_pb2_grpc.LearnerStub(channel)
     err = status_of(lambda: stub.Configure(learner_pb2.ConfigureRequest(
-        run_id="x", spec_yaml="grpo: {num_prompts_per_stpe: 3}"), metadata=metadata("learner")))
+        run_id="x", spec_yaml="grpo: {num_prompts_per_stpe: 3}")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "grpo.num_prompts_per_stpe" in err.details()
     err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(
         run_id="nobody", loss=learner_pb2.LOSS_KIND_SFT,
-        sequences=[learner_pb2.TrainSequence(token_ids=[1, 2, 3], prompt_length=1)]), metadata=metadata("learner")))
-    assert err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
-    err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(run_id="x"), metadata=metadata("learner")))
+        sequences=[learner_pb2.TrainSequence(token_ids=[1, 2, 3], prompt_length=1)])))
+    assert err.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
+    err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(run_id="x")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("loss:")
 
 
@@ -143,5 +141,15 @@ def test_score_metadata_is_passed_to_plugins(channel):
     stub = reward_pb2_grpc.RewardStub(channel)
     item = reward_pb2.ScoreItem(completion="3*5+7", metadata_json=json.dumps({"numbers": [3, 5, 7], "target": 22}))
     resp = stub.Score(reward_pb2.ScoreRequest(items=[item], functions=[reward_pb2.RewardFunctionSpec(
-        name="countdown")]), metadata=metadata("reward"))
+        name="countdown")]))
     assert resp.results[0].score == 1.0
+
+
+def test_math_verify_scores_in_the_reward_service(channel):
+    """The math-verify checks run in the replica's helper process (its time limits need a main thread)."""
+    stub = reward_pb2_grpc.RewardStub(channel)
+    items = [reward_pb2.ScoreItem(id="a", completion="so $\\frac{2}{4}$", reference_answer="\\frac{1}{2}"),
+             reward_pb2.ScoreItem(id="b", completion="it is 0.4", reference_answer="\\frac{1}{2}")]
+    resp = stub.Score(reward_pb2.ScoreRequest(items=items, functions=[reward_pb2.RewardFunctionSpec(
+        name="math_verify")]))
+    assert [r.score for r in resp.results] == [1.0, 0.0] and resp.num_errors == 0

@@ -16,7 +16,6 @@ from rlserve.models.factory import make_model
 from rlserve.models.presets import get_preset
 from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from tests.integration.conftest import metadata
 
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]
 _version = iter(range(20_000, 30_000))
@@ -25,8 +24,7 @@ _version = iter(range(20_000, 30_000))
 def generate(stub, n=4, temperature=1.0, seed=3) -> rollout_pb2.GenerateResponse:
     return stub.Generate(rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in PROMPTS], num_samples=n,
-        sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed)),
-        metadata=metadata("rollout"))
+        sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed)))
 
 
 def max_error(resp: rollout_pb2.GenerateResponse, model_dir) -> float:
@@ -41,13 +39,13 @@ def max_error(resp: rollout_pb2.GenerateResponse, model_dir) -> float:
 
 def load(stub, path, version=None) -> rollout_pb2.UpdateWeightsResponse:
     return stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(
-        version=version or next(_version), safetensors_path=str(path), force=True), metadata=metadata("rollout"))
+        version=version or next(_version), safetensors_path=str(path), force=True))
 
 
 def replicas_versions(stub, calls=12) -> dict[str, int]:
     seen = {}
     for _ in range(calls):
-        info = stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=metadata("rollout"))
+        info = stub.GetInfo(rollout_pb2.GetInfoRequest())
         seen[info.replica_id] = info.weight_version
     return seen
 
@@ -64,8 +62,8 @@ def settle(stub, version: int, timeout_s: float = 60) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def second_model(tmp_path_factory):
-    return make_model(get_preset("tiny"), tmp_path_factory.mktemp("m") / "second", seed=7)
+def second_model(test_cluster):
+    return make_model(get_preset("tiny"), test_cluster.models_dir / "second", seed=7)
 
 
 def test_update_to_a_second_model_matches_transformers_on_every_replica(channel, second_model):
@@ -78,24 +76,24 @@ def test_update_to_a_second_model_matches_transformers_on_every_replica(channel,
     assert max_error(resp, resolve_model("preset:tiny")) > 1e-2
 
 
-def test_bad_updates_are_rejected_and_old_weights_keep_serving(channel, tmp_path):
+def test_bad_updates_are_rejected_and_old_weights_keep_serving(channel, test_cluster):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     settle(stub, load(stub, resolve_model("preset:tiny")).weight_version)
     before = generate(stub, n=1, temperature=0.0)
-    wrong_shapes = make_model(get_preset("small"), tmp_path / "small")
+    wrong_shapes = make_model(get_preset("small"), test_cluster.models_dir / "small")
     with pytest.raises(grpc.RpcError) as err:
         load(stub, wrong_shapes)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("safetensors_path:") and "shape" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        load(stub, tmp_path / "nowhere")
+        load(stub, test_cluster.models_dir / "nowhere")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = generate(stub, n=1, temperature=0.0)
     assert after.completions == before.completions
     assert after.weight_version == before.weight_version
 
 
-def test_a_restarted_replica_loads_the_newest_publication(channel, second_model, test_cluster):
+def test_a_restarted_replica_loads_the_newest_publication(channel, second_model, ray_driver):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     version = load(stub, second_model).weight_version
     victim = next(iter(settle(stub, version)))
@@ -114,28 +112,25 @@ def test_a_restarted_replica_loads_the_newest_publication(channel, second_model,
     assert set(versions.values()) == {version}
 
 
-def test_learner_export_reproduces_learner_logprobs(channel, tmp_path):
+def test_learner_export_reproduces_learner_logprobs(channel, test_cluster):
     learner = learner_pb2_grpc.LearnerStub(channel)
     spec = "policy: {max_total_sequence_length: 64, generation: {max_new_tokens: 8}}"
-    info = learner.Configure(learner_pb2.ConfigureRequest(run_id="weights-test", spec_yaml=spec),
-                             metadata=metadata("learner"))
+    info = learner.Configure(learner_pb2.ConfigureRequest(run_id="weights-test", spec_yaml=spec))
     assert info.backend == "dtensor" and info.num_parameters > 0
     batch = [learner_pb2.TrainSequence(token_ids=[8, 11, 41, 12, 9, 47, 6, 7, 5, 2], prompt_length=6)] * 8
     for version in range(3):
         out = learner.TrainStep(learner_pb2.TrainStepRequest(run_id="weights-test", loss=learner_pb2.LOSS_KIND_SFT,
                                                              sequences=batch, learning_rate=1e-2,
-                                                             expected_weight_version=version),
-                                metadata=metadata("learner"))
+                                                             expected_weight_version=version))
         assert out.weight_version == version + 1 and out.metrics["loss/total"] > 0
-    exported = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id="weights-test"),
-                                     metadata=metadata("learner"))
+    exported = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id="weights-test"))
     assert exported.weight_version == 3 and exported.num_tensors == 21
-    hf = tmp_path / "learner_hf"
-    learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id="weights-test", path=str(tmp_path / "ckpt"),
-                                                             hf_path=str(hf)), metadata=metadata("learner"))
+    # Checkpoints and exports go inside the runs directory (relative paths are taken from there).
+    hf = test_cluster.runs_dir / "weights-test" / "learner_hf"
+    learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id="weights-test", path="weights-test/ckpt",
+                                                             hf_path=str(hf)))
     stub = rollout_pb2_grpc.RolloutStub(channel)
-    stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=3, store_name="rlserve-weights"),
-                       metadata=metadata("rollout"))
+    stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=3, store_name="rlserve-weights"))
     settle(stub, 3)
     resp = generate(stub)
     assert resp.weight_version == 3

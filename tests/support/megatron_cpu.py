@@ -350,8 +350,8 @@ def spawn_workers(fn: Callable[..., Any], world_size: int, *args: Any) -> list[A
             for rank in range(world_size):
                 path = Path(out_dir) / f"rank{rank}.pt"
                 if path.is_file():
-                    saved = torch.load(path, weights_only=False)
+                    saved = torch.load(path, weights_only=True)
                     if not saved["ok"]:
                         errors.append(f"rank {rank}:\n{saved['error']}")
             raise RuntimeError("spawned megatron workers failed\n" + "\n".join(errors)) from exc
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)["result"] for r in range(world_size)]
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True)["result"] for r in range(world_size)]

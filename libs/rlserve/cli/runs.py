@@ -20,16 +20,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", type=Path, nargs="?")
     p.add_argument("--watch", action="store_true", help="follow the run until it ends (exit 1 if it fails)")
     p.add_argument("--run-id", default="")
-    p.add_argument("--resume", metavar="RUN_ID", help="continue RUN_ID from its last checkpoint")
-    p.add_argument("--endpoint", default=None, help=f"coordinator gRPC endpoint (default {default_endpoint()})")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue RUN_ID from its last checkpoint (with SPEC: "
+                   "extend it to that spec's grpo.max_num_steps)")
+    _connection_args(p)
     p.set_defaults(func=submit)
 
     runs = sub.add_parser("runs", help="list, inspect, cancel or watch runs")
     runs.add_argument("action", choices=["list", "get", "cancel", "watch"])
     runs.add_argument("run_id", nargs="?")
-    runs.add_argument("--endpoint", default=None)
+    _connection_args(runs)
     runs.add_argument("-v", "--verbose", action="store_true", help="watch: print every event")
     runs.set_defaults(func=runs_cmd)
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default=None, help=f"the cluster's gRPC endpoint (default {default_endpoint()})")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="bearer token file (default: $RLSERVE_TOKEN, $RLSERVE_TOKEN_FILE, or the file "
+                        "`deploy/serve up` recorded for the endpoint)")
+    p.add_argument("--ca-file", type=Path, default=None, help="certificate to trust for a TLS endpoint")
+
+
+def _client(args: argparse.Namespace) -> CoordinatorClient | None:
+    try:
+        return CoordinatorClient(args.endpoint, token_file=args.token_file, ca_file=args.ca_file)
+    except (ValueError, OSError) as err:  # an unreadable token or CA file
+        print(f"rlserve: {err}", file=sys.stderr)
+        return None
 
 
 def _fail(err: grpc.RpcError) -> int:
@@ -39,13 +56,17 @@ def _fail(err: grpc.RpcError) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     if args.resume:
-        spec_yaml, run_id = "", args.resume
+        # With a spec: extend the run (only grpo.max_num_steps may differ from its stored spec).
+        spec_yaml, run_id = (args.spec.read_text() if args.spec else ""), args.resume
     else:
         if args.spec is None or not args.spec.is_file():
             print(f"rlserve: give a spec file (got {args.spec})", file=sys.stderr)
             return 2
         spec_yaml, run_id = args.spec.read_text(), args.run_id
-    with CoordinatorClient(args.endpoint) as client:
+    client = _client(args)
+    if client is None:
+        return 2
+    with client:
         try:
             run = client.submit(spec_yaml, run_id=run_id, resume=bool(args.resume))
         except grpc.RpcError as err:
@@ -108,7 +129,10 @@ def runs_cmd(args: argparse.Namespace) -> int:
     if args.action != "list" and not args.run_id:
         print(f"rlserve: runs {args.action} needs a RUN_ID", file=sys.stderr)
         return 2
-    with CoordinatorClient(args.endpoint) as client:
+    client = _client(args)
+    if client is None:
+        return 2
+    with client:
         try:
             if args.action == "list":
                 for run in client.list():

@@ -1,12 +1,12 @@
-"""A typed gRPC client of the coordinator (through Serve's gRPC proxy)."""
+"""A typed gRPC client of the coordinator (through the cluster's gateway)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
-import grpc
-
+from rlserve.clients.credentials import Credentials, find_credentials
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc
 
@@ -19,11 +19,14 @@ def default_endpoint() -> str:
 
 
 class CoordinatorClient:
-    def __init__(self, endpoint: str | None = None, application: str = "coordinator"):
+    def __init__(self, endpoint: str | None = None, token_file: Path | None = None, ca_file: Path | None = None,
+                 credentials: Credentials | None = None):
+        """Credentials default to what `find_credentials` finds for the endpoint."""
         self.endpoint = endpoint or default_endpoint()
-        self.channel = grpc.insecure_channel(self.endpoint)
+        creds = credentials or find_credentials(self.endpoint, token_file, ca_file)
+        self.channel = creds.channel(self.endpoint)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
-        self.metadata = (("application", application),)
+        self.metadata = creds.metadata()
 
     def close(self) -> None:
         self.channel.close()
@@ -47,8 +50,10 @@ class CoordinatorClient:
     def cancel(self, run_id: str) -> pb.Run:
         return self.stub.CancelRun(pb.CancelRunRequest(run_id=run_id), metadata=self.metadata, timeout=60).run
 
-    def watch(self, run_id: str, from_sequence: int = 0) -> Iterator[pb.RunEvent]:
+    def watch(self, run_id: str, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.RunEvent]:
+        """The run's events until it ends; with `timeout_s`, the stream fails with DEADLINE_EXCEEDED after that
+        long, however the run is doing (a client that must not hang sets it)."""
         stream = self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=from_sequence),
-                                    metadata=self.metadata)
+                                    metadata=self.metadata, timeout=timeout_s)
         for resp in stream:
             yield resp.event

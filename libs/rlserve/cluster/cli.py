@@ -1,4 +1,4 @@
-"""`deploy/serve`: up, down, status and swap for an rlserve cluster."""
+"""`deploy/serve`: up, down, status, token and swap for an rlserve cluster."""
 
 from __future__ import annotations
 
@@ -27,9 +27,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster)
     print(f"serve: starting {cluster.cfg.name} ({'local head on ' + cluster.cfg.host if not cluster.cfg.address else 'at ' + cluster.cfg.address})", flush=True)
     up(cluster)
-    print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint} "
-          f"(application metadata: coordinator, rollout, reward, reference, learner)")
+    tls = " with TLS" if cluster.cfg.tls else ""
+    print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint}{tls}")
+    if cluster.token_files is not None:
+        print(f"serve: bearer token in {cluster.token_files[0]} (`rlserve` finds it; "
+              f"`deploy/serve token` shows this path again)")
     print(f"serve: runs in {cluster.runs_dir}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    cluster = _cluster(args.cluster)
+    if cluster.token_files is None:
+        print("serve: `auth: none` in this cluster file: the endpoint takes no token", file=sys.stderr)
+        return 1
+    path = cluster.token_files[1 if args.admin else 0]
+    if not path.is_file():
+        print(f"serve: {path} does not exist yet; `deploy/serve up` creates it", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -42,15 +58,19 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from rlserve.cluster.lifecycle import status
+    from rlserve.cluster.lifecycle import node_status, status
 
-    rows = status(_cluster(args.cluster))
+    cluster = _cluster(args.cluster)
+    rows = status(cluster)
     print(f"{'app':<12} {'state':<14} {'version':<11} replicas")
     for r in rows:
         replicas = ", ".join(f"{d}={n}" for d, n in r["replicas"].items())
         print(f"{r['app']:<12} {r['state']:<14} {r['version']:<11} {replicas}"
               + (f"  ({r['message']})" if r["message"] else ""))
-    return 0 if all(r["state"] == "RUNNING" for r in rows) else 1
+    nodes = node_status(cluster)
+    for name, alive in nodes.items():
+        print(f"node {name}: {'alive' if alive else 'down (deploy/serve up starts it again)'}")
+    return 0 if all(r["state"] == "RUNNING" for r in rows) and all(nodes.values()) else 1
 
 
 def cmd_swap(args: argparse.Namespace) -> int:
@@ -60,7 +80,8 @@ def cmd_swap(args: argparse.Namespace) -> int:
         print(f"serve: only the reward service can be swapped, not {args.service!r}", file=sys.stderr)
         return 2
     app = swap_reward(_cluster(args.cluster), args.target)
-    print(f"serve: reward now runs {app['args']['functions'][0]['import_path']}")
+    functions = app["args"].get("functions") or [{"name": "the reward service's default function"}]
+    print("serve: reward now runs " + ", ".join(f.get("import_path") or f["name"] for f in functions))
     return 0
 
 
@@ -84,9 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("cluster", type=Path, nargs="?", help="cluster file (default: the embedded one)")
         p.set_defaults(func=fn)
+    p = sub.add_parser("token", help="print the path of the cluster's token file")
+    p.add_argument("cluster", type=Path, nargs="?", help="cluster file (default: the embedded one)")
+    p.add_argument("--admin", action="store_true", help="the admin token file (internal services) instead")
+    p.set_defaults(func=cmd_token)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
     p.add_argument("service")
-    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`)")
+    p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`), or "
+                                  "`default`: the functions the cluster file deploys, exactly")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_swap)
     args = parser.parse_args(argv)

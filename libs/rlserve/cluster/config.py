@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
 
@@ -24,6 +24,9 @@ class ServiceCfg(BaseModel):
     num_cpus: float | None = Field(None, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     env_vars: dict[str, str] = {}
+    # Custom Ray resources each replica needs, e.g. {rollout_slot: 1}: it then runs only on
+    # nodes that offer them (see `nodes`).
+    resources: dict[str, float] = {}
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 
@@ -50,6 +53,51 @@ class ServicesCfg(BaseModel):
         return self
 
 
+class NodeCfg(BaseModel):
+    """An extra Ray node on this machine, joined to the head (`ray start --address`), on `host`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
+    # Logical CPUs it offers; 0 keeps everything that asks for CPUs off it (only replicas that ask
+    # for its custom resources go there).
+    num_cpus: int = Field(0, ge=0)
+    resources: dict[str, float] = {}
+    object_store_memory_mb: int = Field(256, ge=78)
+
+
+class AuthCfg(BaseModel):
+    """Bearer tokens of the public endpoint, one a line, in files only their owner may read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Users: the run-facing RPCs. None: <runs_dir>/.cluster/token, created by `deploy/serve up`.
+    token_file: str | None = None
+    # Operators: the run-facing RPCs, and the internal services when `expose_internal` is set.
+    # None: <runs_dir>/.cluster/admin_token, created by `deploy/serve up`.
+    admin_token_file: str | None = None
+
+
+class TlsCfg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: str
+    key_file: str
+    # What `rlserve` trusts for this endpoint; None: cert_file (right for a self-signed certificate).
+    ca_file: str | None = None
+
+
+class RewardPolicyCfg(BaseModel):
+    """What a request may name for the reward (built-in functions are always allowed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Plug-ins by import path: `module:attr` or `path/to/file.py:attr` (attr defaults to `reward`).
+    allowed_plugins: list[str] = []
+    # External reward servers a spec's `reward.endpoint` may name: host:port patterns (`*` globs).
+    allowed_endpoints: list[str] = []
+
+
 class ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -60,8 +108,8 @@ class ClusterFile(BaseModel):
     # Anything but loopback must be asked for here.
     host: str = "127.0.0.1"
     ray_port: int = Field(6380, gt=0, lt=65536)
+    # The public endpoint: rlserve's authenticating gRPC gateway (Serve's own proxies are off).
     grpc_port: int = Field(9000, gt=0, lt=65536)
-    http_port: int = Field(8000, gt=0, lt=65536)
     # Ray dashboard on `host` (None: no dashboard).
     dashboard_port: int | None = Field(None, gt=0, lt=65536)
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
@@ -70,19 +118,70 @@ class ClusterFile(BaseModel):
     # Where runs, cluster state and logs go. None: ./runs in the working directory;
     # relative paths: to the cluster file.
     runs_dir: str | None = None
+    # Extra local nodes started by `up` after the head (none: one node).
+    nodes: list[NodeCfg] = []
+    # Folders whose HF models a request may name (policy.model_name, a reference model_path, rollout
+    # safetensors_path); generated presets and the runs directory are always allowed.
+    # None: ./models in the working directory.
+    model_dirs: list[str] | None = None
+    # Folders a spec's data.train_path / data.val_path may read. None: ./data in the working directory.
+    data_dirs: list[str] | None = None
+    # "none" turns authentication off (warned at every start); TLS is off unless configured.
+    auth: AuthCfg | Literal["none"] = AuthCfg()
+    tls: TlsCfg | None = None
+    # Also serve Learner, Rollout, Reference and Reward on the public endpoint, to admin tokens only.
+    expose_internal: bool = False
+    reward: RewardPolicyCfg = RewardPolicyCfg()
     services: ServicesCfg = ServicesCfg()
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_names(cls, v: list[NodeCfg]) -> list[NodeCfg]:
+        names = [n.name for n in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"node names must be unique, got {names}")
+        return v
 
     @property
     def loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1")
 
+    @property
+    def auth_enabled(self) -> bool:
+        return self.auth != "none"
+
     def resolve(self, path: str, base: Path) -> Path:
         p = Path(path).expanduser()
         return p if p.is_absolute() else (base / p).resolve()
 
+    def with_absolute_paths(self, base: Path) -> ClusterFile:
+        """Every path of the file made absolute: relative ones from `base` (the file's folder), unset
+        directories in the working directory."""
+        def fix(p: str | None) -> str | None:
+            return None if p is None else str(self.resolve(p, base))
+
+        def plugin(entry: str) -> str:
+            target, sep, attr = entry.partition(":")
+            return f"{fix(target)}{sep}{attr}" if target.endswith(".py") else entry
+
+        cwd = Path.cwd()
+        update: dict[str, Any] = {
+            "runs_dir": fix(self.runs_dir) if self.runs_dir is not None else str(cwd / "runs"),
+            "model_dirs": [fix(p) for p in self.model_dirs] if self.model_dirs is not None else [str(cwd / "models")],
+            "data_dirs": [fix(p) for p in self.data_dirs] if self.data_dirs is not None else [str(cwd / "data")],
+            "reward": self.reward.model_copy(
+                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
+        if isinstance(self.auth, AuthCfg):
+            update["auth"] = AuthCfg(token_file=fix(self.auth.token_file),
+                                     admin_token_file=fix(self.auth.admin_token_file))
+        if self.tls is not None:
+            update["tls"] = TlsCfg(cert_file=fix(self.tls.cert_file), key_file=fix(self.tls.key_file),
+                                   ca_file=fix(self.tls.ca_file))
+        return self.model_copy(update=update)
+
 
 def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
-    """Parse and validate; errors name the key path. Returns (config, runs dir)."""
+    """Parse and validate; errors name the key path. Returns (config with absolute paths, runs dir)."""
     if not path.is_file():
         raise SpecError([f"{path}: no such file"])
     try:
@@ -92,9 +191,8 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
         raise SpecError([f"<root>: not valid YAML: {err}"]) from None
     except ValidationError as err:
         raise SpecError(format_validation_error(err, ClusterFile)) from None
-    if cfg.runs_dir is None:
-        return cfg, Path.cwd() / "runs"
-    return cfg, cfg.resolve(cfg.runs_dir, path.parent.resolve())
+    cfg = cfg.with_absolute_paths(path.parent.resolve())
+    return cfg, Path(cfg.runs_dir)
 
 
 def default_cluster_file() -> Path:

@@ -20,11 +20,16 @@ class DeploymentArgs(BaseModel):
     num_cpus: float = Field(ge=0)
     num_gpus: float = Field(ge=0)
     env_vars: dict[str, str] = {}
+    # Custom Ray resources per replica (places replicas on the nodes that offer them; the gateway asks
+    # for the head node's).
+    resources: dict[str, float] = {}
     # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
     max_surge_percent: int = Field(100, ge=0, le=100)
 
     def apply(self, deployment: serve.Deployment) -> serve.Deployment:
         actor_options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            actor_options["resources"] = dict(self.resources)
         if self.env_vars:
             actor_options["runtime_env"] = {"env_vars": dict(self.env_vars)}
         return deployment.options(num_replicas=self.num_replicas, ray_actor_options=actor_options,

@@ -8,6 +8,7 @@ what makes its listeners bind loopback).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ import yaml
 
 from rlserve.cluster.config import ClusterFile
 from rlserve.cluster.loopback import BIND_HOST_ENV
-from rlserve.cluster.serve_config import APPS, args_version, serve_config
+from rlserve.cluster.serve_config import APPS, app_args, args_version, serve_config, state_dir, token_files
 
 SETUP_HOOK = "rlserve.cluster.loopback.bind_loopback"
 
@@ -35,7 +36,18 @@ class Cluster:
 
     @property
     def state_dir(self) -> Path:
-        return self.runs_dir / ".cluster"
+        return state_dir(self.runs_dir)
+
+    @property
+    def token_files(self) -> tuple[Path, Path] | None:
+        """(user, admin) token files; None with `auth: none`."""
+        return token_files(self.cfg, self.runs_dir)
+
+    @property
+    def ca_file(self) -> Path | None:
+        """What a client trusts for this endpoint (TLS only)."""
+        tls = self.cfg.tls
+        return None if tls is None else Path(tls.ca_file or tls.cert_file)
 
     @property
     def address(self) -> str:
@@ -71,9 +83,12 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def _head_pid(cluster: Cluster) -> int | None:
-    """The pid of the head this cluster file started, if it still runs."""
-    pid_file = cluster.state_dir / "head.pid"
+def _pid_file(cluster: Cluster, node: str | None) -> Path:
+    return cluster.state_dir / ("head.pid" if node is None else f"node-{node}.pid")
+
+
+def _running_pid(pid_file: Path) -> int | None:
+    """The pid in `pid_file`, if that process still runs."""
     if not pid_file.is_file():
         return None
     pid = int(pid_file.read_text())
@@ -82,6 +97,16 @@ def _head_pid(cluster: Cluster) -> int | None:
     except ProcessLookupError:
         return None
     return pid
+
+
+def _head_pid(cluster: Cluster) -> int | None:
+    """The pid of the head this cluster file started, if it still runs."""
+    return _running_pid(_pid_file(cluster, None))
+
+
+def node_marker(name: str) -> str:
+    """A resource every extra node offers once (`rlserve_node_<name>: 1`), to find it among Ray's nodes."""
+    return f"rlserve_node_{name}"
 
 
 def start_head(cluster: Cluster) -> None:
@@ -115,13 +140,56 @@ def start_head(cluster: Cluster) -> None:
         raise RuntimeError(f"ray start failed (exit {proc.returncode}); see {cluster.state_dir / 'ray-head.log'}")
 
 
+def start_node(cluster: Cluster, index: int) -> None:
+    """Join extra node `index` of the cluster file to the head: `ray start --address` on `host` in its own
+    session (its pid file lets `down` and `kill_node` stop exactly it); returns once Ray lists it."""
+    cfg, node = cluster.cfg, cluster.cfg.nodes[index]
+    pid_file = _pid_file(cluster, node.name)
+    if _running_pid(pid_file) is not None:
+        return
+    resources = {**node.resources, node_marker(node.name): 1}
+    cmd = [sys.executable, "-m", "rlserve.cluster.join", f"--address={cluster.address}", "--block",
+           f"--node-ip-address={cfg.host}",
+           f"--num-cpus={node.num_cpus}", f"--resources={json.dumps(resources)}",
+           f"--object-store-memory={node.object_store_memory_mb * 2**20}", "--disable-usage-stats",
+           # Ray's fixed default would collide with the head's (and other nodes') agent on one machine.
+           f"--dashboard-agent-listen-port={cfg.ray_port + 10 + index}"]
+    log = open(cluster.state_dir / f"ray-node-{node.name}.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **cluster.env()})
+    log.close()
+    pid_file.write_text(f"{proc.pid}\n")
+    connect(cluster)
+    import ray
+
+    def joined() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start for node {node.name} failed (exit {proc.returncode}); see "
+                               f"{cluster.state_dir / f'ray-node-{node.name}.log'}")
+        return any(n["Alive"] and node_marker(node.name) in n["Resources"] for n in ray.nodes())
+
+    _wait(joined, 120, f"node {node.name} to join")
+
+
+def kill_node(cluster: Cluster, name: str) -> None:
+    """SIGKILL an extra node's processes at once, as a machine that dies would (fault injection)."""
+    pid = _running_pid(_pid_file(cluster, name))
+    if pid is None:
+        raise RuntimeError(f"node {name} is not running")
+    os.killpg(pid, signal.SIGKILL)
+    _pid_file(cluster, name).unlink(missing_ok=True)
+
+
 def connect(cluster: Cluster) -> None:
-    """Attach this process to the cluster as a driver whose workers keep listeners on `host`."""
+    """Attach this process to the cluster as a driver whose workers keep listeners on `host` (a process
+    attached to another cluster is detached first)."""
     os.environ.update(cluster.env())
     import ray
 
     if ray.is_initialized():
-        return
+        if ray.get_runtime_context().gcs_address == cluster.address:
+            return
+        _detach()
     ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
              runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": cluster.env()})
 
@@ -129,8 +197,29 @@ def connect(cluster: Cluster) -> None:
 def _serve_start(cluster: Cluster, config: dict[str, Any]) -> None:
     from ray import serve
 
-    serve.start(proxy_location=config["proxy_location"], http_options=config["http_options"],
-                grpc_options=config["grpc_options"])
+    serve.start(proxy_location=config["proxy_location"])
+
+
+def prepare_auth(cluster: Cluster) -> list[str]:
+    """Create missing token files (mode 0600) and record the endpoint's credentials for clients.
+
+    Returns lines for the operator: which files were created, or the warning that auth is off.
+    """
+    from rlserve.clients.credentials import write_record
+    from rlserve.security.tokens import ensure_token_file
+
+    files = cluster.token_files
+    notes = []
+    if files is None:
+        notes.append("WARNING: `auth: none` in the cluster file: anyone who can reach "
+                     f"{cluster.grpc_endpoint} can submit runs" + (" and call the internal services"
+                                                                  if cluster.cfg.expose_internal else ""))
+    else:
+        for path in files:
+            if ensure_token_file(path):
+                notes.append(f"created token file {path} (mode 0600)")
+    write_record(cluster.grpc_endpoint, files[0] if files else None, cluster.ca_file)
+    return notes
 
 
 def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = None, timeout_s: float = 600) -> None:
@@ -140,8 +229,8 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
     from ray.serve import RunTarget
 
     apps = [a for a in config["applications"] if only is None or a["name"] in only]
-    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"], route_prefix=a["route_prefix"])
-               for a in apps]
+    targets = [RunTarget(target=import_attr(a["import_path"])(a["args"]), name=a["name"],
+                         route_prefix=a["route_prefix"]) for a in apps]
     serve.run_many(targets, wait_for_applications_running=False)
     names = [a["name"] for a in apps]
 
@@ -157,10 +246,15 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
 
 
 def up(cluster: Cluster) -> dict[str, Any]:
+    """Start what is not running (the head, extra nodes) and deploy every application; safe to repeat."""
     config = serve_config(cluster.cfg, cluster.runs_dir)
-    cluster.state_dir.mkdir(parents=True, exist_ok=True)
+    cluster.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for note in prepare_auth(cluster):
+        print(f"serve: {note}", file=sys.stderr, flush=True)
     if not cluster.cfg.address:
         start_head(cluster)
+    for index in range(len(cluster.cfg.nodes)):
+        start_node(cluster, index)
     connect(cluster)
     _serve_start(cluster, config)
     deploy(cluster, config)
@@ -168,21 +262,30 @@ def up(cluster: Cluster) -> dict[str, Any]:
 
 
 def down(cluster: Cluster) -> None:
+    """Stop the applications (the coordinator first, while the services its runs call are still up, so
+    a run is interrupted, not failed, and resumes after `up`), then the extra nodes and the head."""
     if _port_open(cluster.cfg.host, cluster.cfg.ray_port) or cluster.cfg.address:
         connect(cluster)
         from ray import serve
 
+        if "coordinator" in serve.status().applications:
+            serve.delete("coordinator")
         serve.shutdown()
-    pid = _head_pid(cluster)
-    if pid is not None:
-        _stop_group(pid)
-    (cluster.state_dir / "head.pid").unlink(missing_ok=True)
+    for name in [n.name for n in cluster.cfg.nodes] + [None]:  # extra nodes first, the head last
+        pid = _running_pid(_pid_file(cluster, name))
+        if pid is not None:
+            _stop_group(pid)
+        _pid_file(cluster, name).unlink(missing_ok=True)
     if "ray" in sys.modules:  # this process was a driver of the stopped cluster: detach it
-        import ray
-        from ray.serve import context as serve_context
+        _detach()
 
-        ray.shutdown()
-        serve_context._set_global_client(None)
+
+def _detach() -> None:
+    import ray
+    from ray.serve import context as serve_context
+
+    ray.shutdown()
+    serve_context._set_global_client(None)
 
 
 def _stop_group(pgid: int, grace_s: float = 20.0) -> None:
@@ -225,10 +328,27 @@ def status(cluster: Cluster) -> list[dict[str, Any]]:
     return rows
 
 
+def node_status(cluster: Cluster) -> dict[str, bool]:
+    """Whether each extra node of the cluster file is part of the cluster now."""
+    connect(cluster)
+    import ray
+
+    alive = {r for n in ray.nodes() if n["Alive"] for r in n["Resources"]}
+    return {node.name: node_marker(node.name) in alive for node in cluster.cfg.nodes}
+
+
 def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
-    """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`)."""
+    """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`), or with the
+    functions of the cluster file, arguments and weights included (`default`)."""
     from rlserve.rewards.loader import FunctionSpec, load_function
 
+    if target == "default":
+        connect(cluster)
+        config = current_config(cluster)
+        app = next(a for a in config["applications"] if a["name"] == "reward")
+        app["args"] = app_args(cluster.cfg, "reward", cluster.runs_dir)
+        deploy(cluster, config, only=["reward"])
+        return app
     path_part, _, attr = target.partition(":")
     if path_part.endswith(".py"):
         source = Path(path_part).expanduser().resolve()
@@ -252,4 +372,5 @@ def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
     return app
 
 
-__all__ = ["APPS", "Cluster", "connect", "current_config", "deploy", "down", "status", "swap_reward", "up"]
+__all__ = ["APPS", "Cluster", "connect", "current_config", "deploy", "down", "kill_node", "node_status",
+           "start_node", "status", "swap_reward", "up"]

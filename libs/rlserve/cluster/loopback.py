@@ -1,13 +1,16 @@
 """Keep Serve's gRPC listeners on the configured host (loopback by default).
 
-Ray 2.60 hard-codes `[::]` for Serve's gRPC proxy
-(`serve/_private/grpc_util.py: start_grpc_server`) and for every replica's
-internal gRPC server (`serve/_private/replica.py`), with no option to change
-it. `bind_loopback` is installed as Ray's `worker_process_setup_hook` by every
-rlserve driver (see `rlserve.cluster.lifecycle.connect`), so it runs in the Serve
-controller, proxy and replica processes before they open those sockets and
-rewrites the wildcard to RLSERVE_BIND_HOST. It touches two private
-functions: Ray is pinned to 2.60.0, and tests/integration/test_swap_and_loopback.py
+Ray 2.60 hard-codes `[::]` for every replica's internal gRPC server
+(`serve/_private/replica.py`) and for Serve's gRPC proxy
+(`serve/_private/grpc_util.py: start_grpc_server`), with no option to change
+it. `bind_loopback` is installed as Ray's `worker_process_setup_hook` by
+every rlserve driver (see `rlserve.cluster.lifecycle.connect`), so it runs
+in the Serve processes before they open those sockets and rewrites the
+wildcard to RLSERVE_BIND_HOST. rlserve's own config keeps Serve's proxies
+off (the public endpoint is the gateway app, which binds the cluster file's
+host itself); should one be started anyway (scripts/bench/gateway.py starts
+it as the reference), it binds there too. It touches two private functions:
+Ray is pinned to 2.60.0, and tests/integration/test_swap_and_loopback.py
 fails if anything listens beyond loopback.
 """
 

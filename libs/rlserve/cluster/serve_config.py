@@ -1,4 +1,11 @@
-"""Derive the Serve config (one entry per service application) from the cluster file."""
+"""Derive the Serve config (one entry per application) from the cluster file.
+
+The public endpoint is the `gateway` application (services/gateway): it
+authenticates every call and forwards it to the services through Serve
+handles. Serve's own HTTP and gRPC proxies are turned off
+(`proxy_location: Disabled`), so nothing reaches a service without passing
+the gateway; inside the cluster the services call each other by handle.
+"""
 
 from __future__ import annotations
 
@@ -9,37 +16,70 @@ from typing import Any
 
 from rlserve.cluster.config import ClusterFile
 
-# name -> builder import path; the gRPC proxy routes by the `application` metadata.
+# name -> builder import path.
 APPS = {
     "reward": "services.reward.app:build",
     "reference": "services.reference.app:build",
     "rollout": "services.rollout.app:build",
     "learner": "services.learner.app:build",
     "coordinator": "services.coordinator.app:build",
+    "gateway": "services.gateway.app:build",
 }
-SERVICERS = [f"rlserve.v1.{m}_pb2_grpc.add_{s}Servicer_to_server" for m, s in (
-    ("coordinator", "Coordinator"), ("rollout", "Rollout"), ("reward", "Reward"), ("reference", "Reference"),
-    ("learner", "Learner"))]
+# Services whose requests name files: they get the cluster's directories.
+_WITH_PATHS = ("reference", "rollout", "learner", "coordinator")
+# The gateway forwards calls; it needs little CPU.
+GATEWAY_NUM_CPUS = 0.05
+
+
+def state_dir(runs_dir: Path) -> Path:
+    """Cluster state (head pid, logs, deployed config, default token files)."""
+    return runs_dir / ".cluster"
+
+
+def token_files(cfg: ClusterFile, runs_dir: Path) -> tuple[Path, Path] | None:
+    """(user token file, admin token file), or None when the cluster file says `auth: none`."""
+    if cfg.auth == "none":
+        return None
+    return (Path(cfg.auth.token_file or state_dir(runs_dir) / "token"),
+            Path(cfg.auth.admin_token_file or state_dir(runs_dir) / "admin_token"))
+
+
+def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
+    return {"runs_dir": str(runs_dir), "model_dirs": list(cfg.model_dirs), "data_dirs": list(cfg.data_dirs)}
+
+
+def _gateway(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
+    tokens = token_files(cfg, runs_dir)
+    return {"host": cfg.host, "port": cfg.grpc_port, "expose_internal": cfg.expose_internal,
+            "auth": None if tokens is None else {"token_file": str(tokens[0]), "admin_token_file": str(tokens[1])},
+            "tls": None if cfg.tls is None else {"cert_file": cfg.tls.cert_file, "key_file": cfg.tls.key_file}}
 
 
 def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
-    svc = getattr(cfg.services, name)
-    args = dict(svc.args)
-    args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
-                          "env_vars": svc.env_vars}
+    svc = getattr(cfg.services, name, None)
+    args = dict(svc.args) if svc else {}
+    if name in _WITH_PATHS:
+        args["paths"] = _paths(cfg, runs_dir)
+    if name in ("reward", "coordinator"):
+        args["allowed_plugins"] = list(cfg.reward.allowed_plugins)
     if name == "coordinator":
-        args.setdefault("runs_dir", str(runs_dir))
+        args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
+    if name == "gateway":
+        args.update(_gateway(cfg, runs_dir))
+        # One replica on the head node: it binds the endpoint's port, and stops before a new one starts.
+        args["deployment"] = {"num_replicas": 1, "num_cpus": GATEWAY_NUM_CPUS, "num_gpus": 0.0,
+                              "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001}}
+    else:
+        args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
+                              "env_vars": svc.env_vars, "resources": svc.resources}
     return args
 
 
 def serve_config(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
     """A Serve config document (the `serve deploy` / KubeRay `serveConfigV2` shape)."""
     return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": cfg.host, "port": cfg.http_port},
-        "grpc_options": {"port": cfg.grpc_port, "grpc_servicer_functions": SERVICERS},
-        # Every app needs a route prefix: Serve's gRPC proxy only routes to apps that have one.
-        "applications": [{"name": name, "import_path": path, "route_prefix": f"/{name}",
+        "proxy_location": "Disabled",
+        "applications": [{"name": name, "import_path": path, "route_prefix": None,
                           "args": app_args(cfg, name, runs_dir)} for name, path in APPS.items()],
     }
 

@@ -60,7 +60,8 @@ def format_validation_error(err: ValidationError, root: type[BaseModel]) -> list
             continue
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] != "value_error" and "input" in e and not isinstance(e["input"], (dict, list)):
-            msg += f" (got {e['input']!r})"
+            got = repr(e["input"])
+            msg += f" (got {got if len(got) <= 80 else got[:80] + '...'})"
         # Validators name the key they judge: "a.b.c: ..." is a path from the
         # root, "key: ..." a key below the validator's own location.
         named = _KEY_PREFIX.match(msg)

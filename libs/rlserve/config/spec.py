@@ -4,29 +4,55 @@ Key names follow NeMo-RL's config (`policy.*`, `grpo.*`, `loss_fn.*`,
 `data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home.
 Every default lives here, on the classes; call sites read fields and never
 pass their own fallbacks. Unknown keys are errors (see `rlserve.config.errors`).
+
+Every size has an upper bound and every float must be finite: a spec comes
+from a request, and validating it must be cheap and must not admit a run that
+cannot fit the machine or the proto fields that report it (a `max_num_steps`
+of 2**70 once made every later ListRuns fail).
 """
 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlserve.data.tasks import TASKS
 
+# Upper bounds of the spec's sizes (a request cannot ask for more).
+MAX_STEPS = 1_000_000
+MAX_PROMPTS_PER_STEP = 4096
+MAX_GENERATIONS_PER_PROMPT = 1024
+MAX_TRAJECTORIES_PER_STEP = 65_536
+MAX_SEQUENCE_LENGTH = 131_072
+MAX_EXAMPLES = 1_000_000
+MAX_VAL_EXAMPLES = 100_000
+MAX_SEED = 2**31 - 1
+MAX_WORKERS = 1024
+MAX_NAME_CHARS = 64
+MAX_PATH_CHARS = 4096
+MAX_SYSTEM_PROMPT_CHARS = 65_536
+# Run names become folder names: letters, digits, '-', '_', '.', not starting with '.'.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
 
 class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, values are checked on assignment."""
+    """Base of every spec section: unknown keys are errors, values are checked on assignment, floats finite."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class AdamWKwargs(Section):
     lr: float = Field(1e-4, gt=0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=1.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    eps: float = Field(1e-8, gt=0, le=1.0)
 
     @field_validator("betas")
     @classmethod
@@ -42,7 +68,7 @@ class OptimizerCfg(Section):
 
 
 class SchedulerCfg(Section):
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     # "constant" after warm-up, or cosine decay to min_lr_ratio * lr at grpo.max_num_steps.
     decay: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -50,7 +76,7 @@ class SchedulerCfg(Section):
 
 class DTensorCfg(Section):
     enabled: bool = True
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_WORKERS)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     cpu_offload: bool = False
@@ -60,14 +86,14 @@ class MegatronCfg(Section):
     """Megatron-Core settings. Keys beyond these are forwarded to Megatron's
     TransformerConfig/DDP/optimizer configs and checked by the backend."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     enabled: bool = False
-    tensor_model_parallel_size: int | None = Field(None, ge=1)
-    pipeline_model_parallel_size: int | None = Field(None, ge=1)
-    context_parallel_size: int | None = Field(None, ge=1)
-    expert_model_parallel_size: int | None = Field(None, ge=1)
-    expert_tensor_parallel_size: int | None = Field(None, ge=1)
+    tensor_model_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    pipeline_model_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    context_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    expert_model_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
+    expert_tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     use_distributed_optimizer: bool = True
@@ -85,9 +111,9 @@ class VllmCfg(Section):
     SubmitRun with what is deployed (the run directory's spec.yaml shows it), and a value that
     differs from what is deployed is refused (FAILED_PRECONDITION naming both)."""
 
-    tensor_parallel_size: int | None = Field(None, ge=1)
+    tensor_parallel_size: int | None = Field(None, ge=1, le=MAX_WORKERS)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    max_model_len: int | None = Field(None, ge=8)
+    max_model_len: int | None = Field(None, ge=8, le=MAX_SEQUENCE_LENGTH)
     # Also the dtype the learner exports weights in.
     precision: Literal["float32", "bfloat16", "float16"] | None = None
     enforce_eager: bool | None = None
@@ -96,34 +122,37 @@ class VllmCfg(Section):
 class GenerationCfg(Section):
     # The rollout engine; like vllm_cfg, unset means "what is deployed", a different value is refused.
     backend: Literal["vllm", "transformers"] | None = None
-    temperature: float = Field(1.0, ge=0)
+    # Engines may take less (vLLM: at most 2; a run asking more fails at its first generation).
+    temperature: float = Field(1.0, ge=0, le=100.0)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    max_new_tokens: int = Field(16, ge=1)
-    stop_strings: list[str] = []
-    stop_token_ids: list[int] = []
+    top_k: int | None = Field(None, ge=1, le=1_000_000)
+    max_new_tokens: int = Field(16, ge=1, le=MAX_SEQUENCE_LENGTH)
+    stop_strings: list[StopString] = Field([], max_length=16)
+    stop_token_ids: list[TokenId] = Field([], max_length=256)
     vllm_cfg: VllmCfg = VllmCfg()
 
 
 class SequencePackingCfg(Section):
     enabled: bool = False
     # Token budget of one packed micro-batch.
-    train_mb_tokens: int = Field(2048, ge=16)
-    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
+    train_mb_tokens: int = Field(2048, ge=16, le=2**24)
+    # rlserve.training.packing: "balanced" packs into as many bins as first-fit decreasing needs,
+    # with tokens spread evenly (lower peak memory for the same number of micro-batches).
+    algorithm: Literal["balanced", "first_fit_decreasing"] = "balanced"
 
 
 class PolicyCfg(Section):
     # An HF folder, or "preset:NAME" (a generated model, see `rlserve make-model`).
-    model_name: str = "preset:tiny"
-    model_seed: int = 0
+    model_name: str = Field("preset:tiny", max_length=MAX_PATH_CHARS)
+    model_seed: Seed = 0
     precision: Literal["float32", "bfloat16"] = "float32"
     # Sequences per optimizer update; None: the whole GRPO batch in one update. Steps whose
     # batch shrank (dropped groups) end with a smaller update.
-    train_global_batch_size: int | None = Field(None, ge=1)
-    train_micro_batch_size: int = Field(64, ge=1)
-    max_total_sequence_length: int = Field(128, ge=8)
+    train_global_batch_size: int | None = Field(None, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
+    train_micro_batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
+    max_total_sequence_length: int = Field(128, ge=8, le=MAX_SEQUENCE_LENGTH)
     max_grad_norm: float | None = Field(1.0, gt=0)
-    refit_buffer_size_mb: int = Field(64, ge=1)
+    refit_buffer_size_mb: int = Field(64, ge=1, le=65_536)
     optimizer: OptimizerCfg = OptimizerCfg()
     scheduler: SchedulerCfg = SchedulerCfg()
     dtensor_cfg: DTensorCfg = DTensorCfg()
@@ -175,19 +204,19 @@ class AsyncGrpoCfg(Section):
 
 
 class GrpoCfg(Section):
-    num_prompts_per_step: int = Field(32, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
-    max_num_steps: int = Field(100, ge=1)
+    num_prompts_per_step: int = Field(32, ge=1, le=MAX_PROMPTS_PER_STEP)
+    num_generations_per_prompt: int = Field(8, ge=1, le=MAX_GENERATIONS_PER_PROMPT)
+    max_num_steps: int = Field(100, ge=1, le=MAX_STEPS)
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
     # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
     skip_zero_advantage_groups: bool = True
-    val_period: int = Field(10, ge=0)
+    val_period: int = Field(10, ge=0, le=MAX_STEPS)
     val_at_start: bool = True
-    max_val_samples: int = Field(128, ge=1)
+    max_val_samples: int = Field(128, ge=1, le=MAX_VAL_EXAMPLES)
     # Validation decodes greedily so that before/after numbers are comparable.
     val_greedy: bool = True
-    seed: int = 42
+    seed: Seed = 42
     async_grpo: AsyncGrpoCfg = AsyncGrpoCfg()
 
     @property
@@ -200,10 +229,10 @@ class SftCfg(Section):
     """Supervised warm start on the task's reference answers before GRPO."""
 
     enabled: bool = False
-    max_num_steps: int = Field(300, ge=1)
-    batch_size: int = Field(64, ge=1)
+    max_num_steps: int = Field(300, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
     lr: float = Field(1e-3, gt=0, le=1.0)
-    val_period: int = Field(25, ge=1)
+    val_period: int = Field(25, ge=1, le=MAX_STEPS)
     # Stop early once the held-out reward reaches this (None: run all steps).
     stop_at_val_reward: float | None = Field(0.25, ge=0)
 
@@ -214,7 +243,7 @@ class LossFnCfg(Section):
     kl_input_clamp_value: float | None = Field(20.0, gt=0)
     kl_output_clamp_value: float | None = Field(10.0, gt=0)
     ratio_clip_min: float = Field(0.2, ge=0, lt=1)
-    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0, le=100)
     # Dual-clip constant c > 1 (Ye et al. 2020); None disables it.
     ratio_clip_c: float | None = Field(None, gt=1)
     use_on_policy_kl_approximation: bool = False
@@ -244,23 +273,44 @@ class LossFnCfg(Section):
         return self
 
 
+class DataColumnsCfg(Section):
+    """The data file's column for each field (HF `datasets` files keep their own names)."""
+
+    prompt: str = Field("prompt", min_length=1, max_length=MAX_NAME_CHARS)
+    messages: str = Field("messages", min_length=1, max_length=MAX_NAME_CHARS)
+    answer: str = Field("answer", min_length=1, max_length=MAX_NAME_CHARS)
+    metadata: str = Field("metadata", min_length=1, max_length=MAX_NAME_CHARS)
+
+
+# data.task values that read train_path/val_path instead of generating examples.
+FILE_TASKS = ("jsonl", "parquet")
+
+
 class DataCfg(Section):
-    # A built-in synthetic task, or "jsonl" for train_path/val_path files.
+    # A built-in synthetic task, or "jsonl"/"parquet" for train_path/val_path files.
     task: str = "addition"
     task_args: dict[str, Any] = {}
-    train_path: str | None = None
-    val_path: str | None = None
-    num_train: int = Field(20000, ge=1)
-    num_val: int = Field(128, ge=1)
-    seed: int = 1234
+    # Data files, inside the cluster's data directories (the cluster file's `data_dirs`).
+    train_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    val_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    # Which columns of the files hold the prompt (or chat messages), the answer and metadata.
+    columns: DataColumnsCfg = DataColumnsCfg()
+    # "raw": prompt text as the tokenizer encodes it; "chat": the tokenizer's chat template with
+    # add_generation_prompt (rows with `messages` need it).
+    prompt_format: Literal["raw", "chat"] = "raw"
+    # A system message put before each prompt (chat format, rows without `messages`).
+    system_prompt: str | None = Field(None, max_length=MAX_SYSTEM_PROMPT_CHARS)
+    num_train: int = Field(20000, ge=1, le=MAX_EXAMPLES)
+    num_val: int = Field(128, ge=1, le=MAX_VAL_EXAMPLES)
+    seed: Seed = 1234
 
     @field_validator("task")
     @classmethod
     def _task_known(cls, v: str) -> str:
-        if v != "jsonl" and v not in TASKS:
-            close = difflib.get_close_matches(v, [*TASKS, "jsonl"], n=1)
+        if v not in FILE_TASKS and v not in TASKS:
+            close = difflib.get_close_matches(v, [*TASKS, *FILE_TASKS], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join([*TASKS, 'jsonl'])})")
+            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join([*TASKS, *FILE_TASKS])})")
         return v
 
     @field_validator("task_args")
@@ -269,31 +319,46 @@ class DataCfg(Section):
         task = info.data.get("task")
         if task in TASKS:
             TASKS[task].parse_args(v)
-        elif task == "jsonl" and v:
-            raise ValueError("the jsonl task takes no task_args")
+        elif task in FILE_TASKS and v:
+            raise ValueError(f"the {task} task takes no task_args")
         return v
 
     @model_validator(mode="after")
     def _paths(self) -> DataCfg:
-        if self.task == "jsonl" and not self.train_path:
-            raise ValueError("data.train_path: required when data.task is 'jsonl'")
+        if self.task in FILE_TASKS and not self.train_path:
+            raise ValueError(f"data.train_path: required when data.task is {self.task!r}")
+        if self.task not in FILE_TASKS and self.columns != DataColumnsCfg():
+            raise ValueError(f"data.columns: only for data files (data.task: {' or '.join(FILE_TASKS)})")
+        if self.system_prompt is not None and self.prompt_format != "chat":
+            raise ValueError("data.system_prompt: needs data.prompt_format: chat")
         return self
 
 
 class RewardFunctionCfg(Section):
     # A built-in name (exact_match, math_verify, format, length_penalty, countdown) or any
     # label when import_path is given.
-    name: str
-    import_path: str | None = None
-    weight: float = 1.0
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    # Only plug-ins the operator allow-listed (the cluster file's reward.allowed_plugins).
+    import_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
     args: dict[str, Any] = {}
+
+    @field_validator("args")
+    @classmethod
+    def _json_args(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(v, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError("must be JSON data (strings, finite numbers, booleans, lists, mappings)") from None
+        return v
 
 
 class RewardCfg(Section):
     # Empty: the functions the reward service was deployed with.
-    functions: list[RewardFunctionCfg] = []
-    # host:port of an external gRPC server implementing rlserve.v1.Reward.
-    endpoint: str | None = None
+    functions: list[RewardFunctionCfg] = Field([], max_length=16)
+    # host:port of an external gRPC server implementing rlserve.v1.Reward (one the cluster file's
+    # reward.allowed_endpoints admits).
+    endpoint: str | None = Field(None, max_length=300)
 
     @field_validator("endpoint")
     @classmethod
@@ -310,8 +375,14 @@ class CheckpointingCfg(Section):
     # Checkpoints live in the run directory (<runs_dir>/<run_id>/checkpoints), which the
     # cluster file places; a run cannot put them elsewhere.
     enabled: bool = True
-    save_period: int = Field(10, ge=1)
-    keep_last: int = Field(2, ge=1)
+    save_period: int = Field(10, ge=1, le=MAX_STEPS)
+    keep_last: int = Field(2, ge=1, le=1000)
+    # When a service loses the run's state (a learner worker dies, a replica restarts) or the
+    # coordinator restarts under a running run, continue from the last checkpoint (or from the
+    # start without one) instead of failing; a RECOVERED event says what was redone.
+    auto_resume: bool = True
+    # Recoveries allowed in a row without a new checkpoint in between (then the run fails).
+    max_recovery_attempts: int = Field(3, ge=1, le=100)
 
     @model_validator(mode="before")
     @classmethod
@@ -329,16 +400,17 @@ class LoggerCfg(Section):
 
 class ClusterCfg(Section):
     # Learner ranks (one torch.distributed process each).
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(1, ge=1, le=MAX_WORKERS)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpus_per_worker: float = Field(0.5, gt=0)
-    gpus_per_worker: float = Field(0.0, ge=0)
+    cpus_per_worker: float = Field(0.5, gt=0, le=1024)
+    gpus_per_worker: float = Field(0.0, ge=0, le=64)
     # Threads for torch inside each learner rank.
-    torch_threads: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1, le=1024)
 
 
 class RunSpec(Section):
-    name: str = "grpo"
+    # Part of the run id and of its folder's name.
+    name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
     policy: PolicyCfg = PolicyCfg()
     grpo: GrpoCfg = GrpoCfg()
     sft: SftCfg = SftCfg()
@@ -352,6 +424,11 @@ class RunSpec(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
         gen = self.policy.generation
+        if self.batch_size > MAX_TRAJECTORIES_PER_STEP:
+            raise ValueError(
+                f"grpo.num_generations_per_prompt: {self.grpo.num_prompts_per_step} prompts x "
+                f"{self.grpo.num_generations_per_prompt} generations exceed {MAX_TRAJECTORIES_PER_STEP} "
+                f"trajectories per step")
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(
                 f"policy.generation.max_new_tokens: {gen.max_new_tokens} must be below "

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from rlserve.config.spec import DataCfg
-from rlserve.data.jsonl import load_jsonl
+from rlserve.config.spec import FILE_TASKS, DataCfg
+from rlserve.data.files import load_examples
 from rlserve.data.tasks import Example, get_task
 
 
@@ -16,12 +16,17 @@ class Splits:
     val: list[Example]
 
 
-def build_splits(cfg: DataCfg) -> Splits:
-    """Validation prompts first, then training prompts that never repeat a validation prompt."""
-    if cfg.task == "jsonl":
-        train = load_jsonl(cfg.train_path)
+def build_splits(cfg: DataCfg, max_train: int | None = None) -> Splits:
+    """Validation prompts first, then training prompts that never repeat a validation prompt.
+
+    `max_train` builds only that many generated training examples (the first ones the full build
+    would give), for checks that need a sample and must stay cheap; data files are read whole
+    (their size is bounded where the spec names them).
+    """
+    if cfg.task in FILE_TASKS:
+        train = load_examples(cfg.train_path, cfg)
         if cfg.val_path:
-            return Splits(train, load_jsonl(cfg.val_path)[: cfg.num_val])
+            return Splits(train, load_examples(cfg.val_path, cfg)[: cfg.num_val])
         rng = random.Random(cfg.seed)
         shuffled = train[:]
         rng.shuffle(shuffled)
@@ -37,7 +42,8 @@ def build_splits(cfg: DataCfg) -> Splits:
         attempts += 1
     train: list[Example] = []
     attempts = 0
-    while len(train) < cfg.num_train and attempts < 50 * cfg.num_train:
+    wanted = cfg.num_train if max_train is None else min(cfg.num_train, max_train)
+    while len(train) < wanted and attempts < 50 * wanted:
         ex = task.example(rng)
         if ex.prompt not in val:
             train.append(ex)
@@ -73,9 +79,14 @@ class PromptSampler:
             self.index += 1
         return out
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+    @property
+    def position(self) -> int:
+        """Examples taken so far over all passes: the data cursor."""
+        return self.epoch * len(self.examples) + self.index
 
-    def restore(self, state: dict[str, int]) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
+    def seek(self, position: int) -> None:
+        """Continue as if `position` examples had been taken (the order of every pass is fixed by the seed)."""
+        if position < 0:
+            raise ValueError(f"data cursor must be >= 0, got {position}")
+        self.epoch, self.index = divmod(position, len(self.examples))
         self._order = self._shuffle(self.epoch)

@@ -1,20 +1,97 @@
-"""Prompt text -> token ids with the policy's own tokenizer (`tokenizer.json` of the HF folder)."""
+"""Examples -> token ids with the policy's own tokenizer, as raw text or through its chat template.
+
+`raw`: the prompt text as the tokenizer encodes plain text (with the BOS that
+its post-processor adds, if any). `chat`: the tokenizer's Jinja chat template
+renders the conversation with `add_generation_prompt`, and the rendered text is
+encoded without special tokens, because the template writes any BOS itself
+(this is what transformers' `apply_chat_template` does).
+
+Chat models often end a turn with one token and a document with another
+(Llama-3.x-Instruct, Gemma-3 list both in `eos_token_id`); every one of them
+stops generation, and an SFT answer ends where the template ends the
+assistant's turn.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from tokenizers import Tokenizer
+from rlserve.data.tasks import Example
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def eos_token_ids(model_dir: Path, tokenizer_eos: int | None) -> list[int]:
+    """Every EOS id of the model: the tokenizer's first, then config.json's and generation_config.json's."""
+    found = _ids(tokenizer_eos)
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            found += _ids(json.loads(path.read_text()).get("eos_token_id"))
+    ids = list(dict.fromkeys(found))
+    if not ids:
+        raise ValueError(f"{model_dir}: no eos_token_id in config.json, generation_config.json or the tokenizer")
+    return ids
 
 
 class PromptTokenizer:
-    """The policy's own tokenizer, for prompts and SFT answers."""
+    """The policy's own tokenizer, for prompts and SFT answers, in the spec's `data.prompt_format`."""
 
-    def __init__(self, model_dir: Path):
-        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        config = json.loads((model_dir / "config.json").read_text())
-        self.eos_id = int(config["eos_token_id"])
+    def __init__(self, model_dir: Path, prompt_format: str, system_prompt: str | None):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.prompt_format, self.system_prompt = prompt_format, system_prompt
+        if prompt_format == "chat" and not self.tok.chat_template:
+            raise ValueError(f"data.prompt_format: 'chat' needs a chat template, and the tokenizer of {model_dir} "
+                             f"has none (chat_template.jinja or tokenizer_config.json's chat_template); "
+                             f"use data.prompt_format: raw")
+        self.eos_ids = eos_token_ids(model_dir, self.tok.eos_token_id)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        """Plain text without special tokens (answers, continuations)."""
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def messages(self, ex: Example) -> list[dict[str, str]]:
+        """The conversation that the chat template renders for this example."""
+        if ex.messages is not None:
+            return [dict(m) for m in ex.messages]
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": ex.prompt}]
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, ex: Example) -> list[int]:
+        if self.prompt_format == "chat":
+            return self._render(self.messages(ex), add_generation_prompt=True)
+        if ex.messages is not None:
+            raise ValueError("a 'messages' example needs data.prompt_format: chat")
+        return self.tok.encode(ex.prompt, add_special_tokens=True)
+
+    def sft_ids(self, ex: Example) -> tuple[list[int], int]:
+        """(prompt + answer + end token, prompt length) for supervised training on the answer.
+
+        In chat format the template renders the answer as the assistant's turn, and the
+        sequence ends at the first EOS id after the prompt (the turn's end; what follows,
+        such as a newline before the next turn, is never generated). A template whose
+        prompt is not a prefix of the rendered answer turn, or that ends a turn without an
+        EOS id, gets the answer's plain tokens and the first EOS id instead.
+        """
+        prompt = self.prompt_ids(ex)
+        if self.prompt_format == "chat":
+            full = self._render([*self.messages(ex), {"role": "assistant", "content": ex.answer}],
+                                add_generation_prompt=False)
+            if full[:len(prompt)] == prompt:
+                tail = full[len(prompt):]
+                ends = [i for i, t in enumerate(tail) if t in self.eos_ids]
+                if ends:
+                    return prompt + tail[:ends[0] + 1], len(prompt)
+        return prompt + self.encode(ex.answer) + [self.eos_ids[0]], len(prompt)

@@ -17,9 +17,12 @@ from typing import Any, ClassVar
 
 @dataclass(frozen=True)
 class Example:
+    # The prompt text (for a chat row: its last user message, which reward functions see).
     prompt: str
     answer: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # A chat row's conversation ({"role", "content"} each), rendered by the chat template.
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 class Task:

@@ -5,8 +5,11 @@ heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
 reload leaves a tied output layer stale), `small` (29M parameters) and
 `medium` (101M, weight-transfer benchmarks) are for CPU benchmarks, `1b`
-for GPU benchmarks, and `moe-tiny` exercises the Mixtral-shaped MoE path of
-the Megatron backend.
+for GPU benchmarks, `1b-152k` is `1b` with a Qwen-sized vocabulary (151,936
+entries, 0.31B parameters in the output layer alone) where the logprob and
+entropy memory dominates, `tiny-chat` is `tiny` with a byte-level BPE
+tokenizer, a chat template and two EOS ids (what a real chat model brings),
+and `moe-tiny` exercises the Mixtral-shaped MoE path of the Megatron backend.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class ModelPreset:
     num_experts: int = 0
     experts_per_token: int = 0
     rope_theta: float = 10000.0
+    # "char" (one token per symbol of the built-in tasks) or "bpe-chat" (byte-level BPE with a
+    # chat template and two EOS ids, see rlserve.models.bpe).
+    tokenizer: str = "char"
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -40,6 +46,8 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("small", "llama", 512, 8, 8, 4, 1536, 512, False, padded_vocab_size=4096),
         ModelPreset("medium", "llama", 768, 14, 12, 4, 2048, 512, False, padded_vocab_size=8192),
         ModelPreset("1b", "llama", 2048, 16, 16, 8, 5632, 4096, False, padded_vocab_size=32000),
+        ModelPreset("1b-152k", "llama", 2048, 16, 16, 8, 5632, 32768, False, padded_vocab_size=151936),
+        ModelPreset("tiny-chat", "llama", 192, 2, 6, 2, 768, 256, False, tokenizer="bpe-chat"),
         ModelPreset("moe-tiny", "mixtral", 128, 2, 4, 2, 256, 256, False, num_experts=4, experts_per_token=2),
     )
 }

@@ -9,6 +9,7 @@ it writes (`tokenizer.json` + `tokenizer_config.json`) loads in transformers
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -17,6 +18,16 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 # Digits and letters first so their ids are stable across alphabet additions.
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*/()=,.:;<>?!#\\{}_\n"
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """What a model config needs from its tokenizer."""
+
+    vocab_size: int
+    bos: int
+    eos: list[int]  # several for chat models (end of turn, end of text); the first is the tokenizer's eos_token
+    pad: int
 
 
 def build_tokenizer() -> Tokenizer:
@@ -42,7 +53,11 @@ def token_id(token: str) -> int:
     return len(SPECIAL_TOKENS) + ALPHABET.index(token)
 
 
-def save_tokenizer(out_dir: Path, model_max_length: int) -> None:
+def special_ids() -> SpecialIds:
+    return SpecialIds(vocab_size(), token_id(BOS), [token_id(EOS)], token_id(PAD))
+
+
+def save_tokenizer(out_dir: Path, model_max_length: int) -> SpecialIds:
     """Write tokenizer.json and a tokenizer_config.json that transformers and vLLM accept."""
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save(str(out_dir / "tokenizer.json"))
@@ -60,3 +75,4 @@ def save_tokenizer(out_dir: Path, model_max_length: int) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    return special_ids()

@@ -1,4 +1,4 @@
-"""Built-in reward functions for the synthetic tasks and for math answers."""
+"""Built-in reward functions for the synthetic tasks and for math answers (`math_verify`, in math_answers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+import regex
+
 from rlserve.rewards.interfaces import RewardFunction, RewardInput, RewardOutput
+from rlserve.rewards.math_answers import MathVerify
 
 
 class ExactMatch(RewardFunction):
@@ -30,53 +33,27 @@ class ExactMatch(RewardFunction):
         return RewardOutput(0.5 * same / max(len(want), len(got)), {"correct": False})
 
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
-
-
-def extract_answer(text: str) -> str | None:
-    """The last \\boxed{...} content, else the last number in the text."""
-    boxed = _BOXED.findall(text)
-    if boxed:
-        return boxed[-1].strip()
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def normalize_number(text: str) -> Fraction | None:
-    text = text.strip().replace(",", "").replace(" ", "").rstrip(".")
-    text = text.removeprefix("$").removesuffix("$")
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-class MathVerify(RewardFunction):
-    """Compare the final answer (\\boxed{} or last number) with the reference, numerically when both parse."""
-
-    name = "math_verify"
-
-    def __call__(self, item: RewardInput) -> RewardOutput:
-        got = extract_answer(item.completion)
-        if got is None:
-            return RewardOutput(0.0, {"extracted": None})
-        want = extract_answer(item.answer) or item.answer.strip()
-        a, b = normalize_number(got), normalize_number(want)
-        correct = a == b if a is not None and b is not None else got.strip() == want.strip()
-        return RewardOutput(float(correct), {"extracted": got})
-
-
 class FormatReward(RewardFunction):
-    """1 when the completion matches a regular expression (full match after stripping)."""
+    """1 when the completion matches a regular expression (full match after stripping).
+
+    The pattern comes from a request, so it is matched with a time limit (the `regex` package):
+    a pattern that backtracks catastrophically makes that item an error instead of a hung replica.
+    """
 
     name = "format"
+    max_pattern_chars = 1000
+    timeout_s = 0.5
 
     def __init__(self, pattern: str = r"\d+"):
-        self.pattern = re.compile(pattern)
+        if len(pattern) > self.max_pattern_chars:
+            raise ValueError(f"pattern: longer than {self.max_pattern_chars} characters")
+        try:
+            self.pattern = regex.compile(pattern)
+        except regex.error as err:
+            raise ValueError(f"pattern: not a regular expression: {err}") from None
 
     def __call__(self, item: RewardInput) -> RewardOutput:
-        return RewardOutput(float(bool(self.pattern.fullmatch(item.completion.strip()))))
+        return RewardOutput(float(bool(self.pattern.fullmatch(item.completion.strip(), timeout=self.timeout_s))))
 
 
 class LengthPenalty(RewardFunction):

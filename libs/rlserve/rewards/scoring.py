@@ -10,14 +10,18 @@ from rlserve.logs import event
 from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.loader import CombinedReward, FunctionSpec
 from rlserve.rpc import invalid_argument
+from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2
 
 log = logging.getLogger("rlserve.reward")
 
 
-def specs_from_proto(functions: list[reward_pb2.RewardFunctionSpec]) -> list[FunctionSpec]:
+def specs_from_proto(functions: list[reward_pb2.RewardFunctionSpec], plugins: PluginPolicy) -> list[FunctionSpec]:
+    """The request's functions; a plug-in by import path must be on the operator's allow-list."""
     specs = []
     for i, f in enumerate(functions):
+        if f.import_path:
+            plugins.check(f"functions[{i}].import_path", f.import_path)
         try:
             args = json.loads(f.args_json) if f.args_json else {}
         except json.JSONDecodeError as err:

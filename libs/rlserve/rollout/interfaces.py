@@ -22,6 +22,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class InvalidRequest(ValueError):
+    """The engine's own validation refused a request (vLLM's sampling checks, say): the caller's
+    mistake, answered INVALID_ARGUMENT and never retried."""
+
+
 class EngineSettings(BaseModel):
     """How an engine is started (the rollout app's deploy arguments hold these; defaults live here)."""
 
@@ -176,7 +181,8 @@ class BatchEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        """`n` samples for each prompt, in prompt order (version_runs left empty)."""
+        """`n` samples for each prompt, in prompt order (version_runs left empty); InvalidRequest if the
+        engine refuses the request."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

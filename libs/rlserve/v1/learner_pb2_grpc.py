@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class LearnerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but Configure answers ABORTED when the learner holds no training session for the
+    run (never configured, a worker died, the replica restarted) or its weight version is not the
+    one the caller expects: the run's state here is gone, and retrying the call cannot help; the
+    caller configures again and restores a checkpoint (the coordinator does, see RECOVERED).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +66,11 @@ class LearnerStub:
 
 
 class LearnerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but Configure answers ABORTED when the learner holds no training session for the
+    run (never configured, a worker died, the replica restarted) or its weight version is not the
+    one the caller expects: the run's state here is gone, and retrying the call cannot help; the
+    caller configures again and restores a checkpoint (the coordinator does, see RECOVERED).
+    """
 
     def Configure(self, request, context):
         """Build the policy (model, parallel layout, optimizer) for a run.
@@ -134,7 +142,11 @@ def add_LearnerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Learner:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but Configure answers ABORTED when the learner holds no training session for the
+    run (never configured, a worker died, the replica restarted) or its weight version is not the
+    one the caller expects: the run's state here is gone, and retrying the call cannot help; the
+    caller configures again and restores a checkpoint (the coordinator does, see RECOVERED).
+    """
 
     @staticmethod
     def Configure(request,

@@ -200,6 +200,7 @@ class WeightStore:
 
 
 def get_store(name: str = DEFAULT_STORE_NAME) -> ray.actor.ActorHandle:
-    """The named store, created on first use; it outlives its creator (detached)."""
-    return WeightStore.options(name=name, namespace=STORE_NAMESPACE, get_if_exists=True,
-                               lifetime="detached").remote()
+    """The named store, created on first use; it outlives its creator (detached) and lives on the head
+    node, so losing another node (say, the one running the rollout replicas) loses no published version."""
+    return WeightStore.options(name=name, namespace=STORE_NAMESPACE, get_if_exists=True, lifetime="detached",
+                               resources={"node:__internal_head__": 0.001}).remote()

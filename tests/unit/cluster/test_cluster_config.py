@@ -7,22 +7,42 @@ import yaml
 
 from rlserve.cluster.config import default_cluster_file, load_cluster_file
 from rlserve.cluster.loopback import rewrite
-from rlserve.cluster.serve_config import APPS, SERVICERS, serve_config
+from rlserve.cluster.serve_config import APPS, serve_config
 from rlserve.config.errors import SpecError
 
 
-def test_default_cluster_is_loopback_and_complete(tmp_path, monkeypatch):
+def test_default_cluster_is_loopback_authenticated_and_complete(tmp_path, monkeypatch):
+    from pathlib import Path
+
     monkeypatch.chdir(tmp_path)
     cfg, runs = load_cluster_file(default_cluster_file())
     assert cfg.loopback and cfg.address is None
     assert runs == tmp_path / "runs"  # not inside the installed package
+    assert cfg.model_dirs == [str(tmp_path / "models")] and cfg.data_dirs == [str(tmp_path / "data")]
     config = serve_config(cfg, runs)
-    assert config["http_options"]["host"] == "127.0.0.1"
+    assert config["proxy_location"] == "Disabled", "Serve's own proxies would be an unauthenticated way in"
     assert [a["name"] for a in config["applications"]] == list(APPS)
-    assert all(a["route_prefix"] == f"/{a['name']}" for a in config["applications"])
-    assert len(config["grpc_options"]["grpc_servicer_functions"]) == len(SERVICERS) == 5
-    coord = next(a for a in config["applications"] if a["name"] == "coordinator")
-    assert coord["args"]["runs_dir"] == str(runs)
+    apps = {a["name"]: a["args"] for a in config["applications"]}
+    gateway = apps["gateway"]
+    assert gateway["host"] == "127.0.0.1" and gateway["port"] == 9000
+    assert gateway["auth"] == {"token_file": str(runs / ".cluster" / "token"),
+                               "admin_token_file": str(runs / ".cluster" / "admin_token")}
+    assert gateway["expose_internal"] is False and gateway["tls"] is None
+    assert apps["coordinator"]["paths"]["runs_dir"] == str(runs)
+    assert apps["coordinator"]["allowed_plugins"] == [] == apps["reward"]["allowed_plugins"]
+    for name in ("rollout", "reference", "learner", "coordinator"):
+        assert all(Path(d).is_absolute() for d in apps[name]["paths"]["model_dirs"])
+
+
+def test_auth_none_tls_and_relative_paths(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"auth": "none", "tls": {"cert_file": "c.pem", "key_file": "k.pem"},
+                                    "reward": {"allowed_plugins": ["plug.py:f", "pkg.mod:g"]}}))
+    cfg, runs = load_cluster_file(path)
+    gateway = next(a["args"] for a in serve_config(cfg, runs)["applications"] if a["name"] == "gateway")
+    assert gateway["auth"] is None
+    assert gateway["tls"] == {"cert_file": str(tmp_path / "c.pem"), "key_file": str(tmp_path / "k.pem")}
+    assert cfg.reward.allowed_plugins == [f"{tmp_path / 'plug.py'}:f", "pkg.mod:g"]
 
 
 def test_cluster_file_errors_name_the_key(tmp_path):
@@ -46,11 +66,14 @@ def test_kuberay_manifest_deploys_the_same_apps():
     manifest = yaml.safe_load(Path("deploy/kuberay/rayservice.yaml").read_text())
     config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
     assert {a["name"]: a["import_path"] for a in config["applications"]} == APPS
-    assert config["grpc_options"]["grpc_servicer_functions"] == SERVICERS
+    assert config["proxy_location"] == "Disabled"
+    gateway = next(a["args"] for a in config["applications"] if a["name"] == "gateway")
+    assert gateway["auth"] is not None and gateway["expose_internal"] is False
 
 
 def test_partial_service_section_keeps_that_services_defaults(tmp_path):
     from rlserve.cluster.config import DEFAULT_NUM_CPUS
+    from rlserve.cluster.serve_config import GATEWAY_NUM_CPUS
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"services": {"rollout": {"args": {"engine": "transformers"}},
@@ -59,7 +82,8 @@ def test_partial_service_section_keeps_that_services_defaults(tmp_path):
     assert cfg.services.rollout.num_cpus == DEFAULT_NUM_CPUS["rollout"] == 0.5
     assert cfg.services.reference.num_cpus == 1.5
     args = serve_config(cfg, tmp_path)["applications"]
-    assert {a["name"]: a["args"]["deployment"]["num_cpus"] for a in args} == {**DEFAULT_NUM_CPUS, "reference": 1.5}
+    assert {a["name"]: a["args"]["deployment"]["num_cpus"] for a in args} == {**DEFAULT_NUM_CPUS, "reference": 1.5,
+                                                                                 "gateway": GATEWAY_NUM_CPUS}
 
 
 def test_kuberay_manifest_args_are_valid_for_each_app():

@@ -108,3 +108,37 @@ def test_invalid_numbers_are_rejected_with_their_path(path, value):
         node = node.setdefault(part, {})
     node[leaf] = value
     assert any(p.startswith(path + ":") for p in problems(data))
+
+
+@pytest.mark.parametrize("text, path", [
+    # The reproductions: each was accepted, and hurt the cluster later.
+    ("grpo: {max_num_steps: 1180591620717411303424}", "grpo.max_num_steps"),
+    ("data: {num_train: 1000000000}", "data.num_train"),
+    ("policy: {generation: {temperature: .inf}}", "policy.generation.temperature"),
+    ("policy: {generation: {temperature: .nan}}", "policy.generation.temperature"),
+    ("policy: {generation: {top_p: .nan}}", "policy.generation.top_p"),
+    ("name: " + "n" * 10_000, "name"),
+    ("name: ../../escape", "name"),
+    ("loss_fn: {ratio_clip_max: .inf}", "loss_fn.ratio_clip_max"),
+    ("grpo: {num_prompts_per_step: 4096, num_generations_per_prompt: 1024}", "grpo.num_generations_per_prompt"),
+    ("policy: {generation: {stop_strings: ['']}}", "policy.generation.stop_strings.0"),
+    ("grpo: {seed: 9223372036854775807}", "grpo.seed"),
+    ("reward: {functions: [{name: format, args: {pattern: 2024-01-01}}]}", "reward.functions.0.args"),
+])
+def test_every_size_is_bounded_and_every_float_finite(text, path):
+    with pytest.raises(SpecError) as err:
+        load_spec(text)
+    assert err.value.problems[0].startswith(path + ":"), err.value.problems
+    assert len(str(err.value)) < 2000, "errors quote at most a short prefix of what they refuse"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("name: " + "n" * (300 * 1024), "the limit is"),
+    ("a: &x [1, 2]\nb: *x", "aliases"),
+    ("[" * 50_000, "nested too deeply"),
+    ("data: {task_args: " + "{a: " * 40 + "1" + "}" * 40 + "}", "nested deeper than"),
+])
+def test_spec_documents_are_bounded_before_parsing(text, problem):
+    with pytest.raises(SpecError) as err:
+        load_spec(text)
+    assert problem in str(err.value)

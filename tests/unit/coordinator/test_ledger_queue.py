@@ -61,10 +61,10 @@ def test_buffer_take_waits_and_splits_stale():
     async def scenario():
         buf = GroupQueue()
         taker = asyncio.create_task(buf.take(3, version=4, bound=StalenessBound(1)))
-        await buf.put([group(4), group(2)])
+        buf.put([group(4), group(2)])
         await asyncio.sleep(0.01)
         assert not taker.done()
-        await buf.put([group(3), group(4)])
+        buf.put([group(3), group(4)])
         fresh, stale = await taker
         assert [g.weight_version for g in fresh] == [4, 3]
         assert [g.weight_version for g in stale] == [2]

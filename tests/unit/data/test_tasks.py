@@ -9,7 +9,7 @@ import pytest
 
 from rlserve.config.spec import DataCfg
 from rlserve.data.dataset import PromptSampler, build_splits
-from rlserve.data.jsonl import load_jsonl
+from rlserve.data.files import load_examples
 from rlserve.data.tasks import TASKS, get_task
 from rlserve.models.tokenizer import ALPHABET
 from rlserve.rewards.builtins import Countdown, ExactMatch
@@ -50,26 +50,30 @@ def test_splits_do_not_leak_and_are_deterministic():
     assert not {e.prompt for e in s1.val} & {e.prompt for e in s1.train}
 
 
-def test_sampler_resumes_where_it_stopped():
+def test_sampler_resumes_at_its_cursor():
     examples = build_splits(DataCfg(num_train=50, num_val=5)).train
     a = PromptSampler(examples, seed=1)
     a.take(37)
-    state = a.state()
+    cursor = a.position
     expected = a.take(40)  # crosses an epoch boundary
+    assert cursor == 37 and a.position == 77
     b = PromptSampler(examples, seed=1)
-    b.restore(state)
+    b.seek(cursor)
     assert b.take(40) == expected
+    c = PromptSampler(examples, seed=1)
+    c.seek(77)
+    assert c.take(5) == a.take(5)
 
 
 def test_jsonl_loader(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2", "metadata": {"k": 1}}) + "\n\n"
                     + json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
-    rows = load_jsonl(path)
+    rows = load_examples(path, DataCfg(task="jsonl", train_path=str(path)))
     assert [r.answer for r in rows] == ["2", "4"] and rows[0].metadata == {"k": 1}
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x", "answer": "y"}\n{"prompt": ""}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
-        load_jsonl(bad)
+        load_examples(bad, DataCfg(task="jsonl", train_path=str(bad)))
     splits = build_splits(DataCfg(task="jsonl", train_path=str(path), num_val=1))
     assert len(splits.train) + len(splits.val) == 2

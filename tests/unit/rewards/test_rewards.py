@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlserve.rewards.builtins import LengthPenalty, MathVerify, extract_answer
+from rlserve.rewards.builtins import LengthPenalty, MathVerify
 from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.loader import CombinedReward, FunctionSpec
 from rlserve.rewards.scoring import score_batch
@@ -17,15 +17,20 @@ def item(completion: str, answer: str = "42") -> RewardInput:
     return RewardInput("q", completion, answer)
 
 
-@pytest.mark.parametrize("text, want", [
-    ("so the answer is \\boxed{42}", 1.0), ("the answer is 42.", 1.0), ("1,000 apples", 0.0),
-    ("it is 41 or 42", 1.0), ("no number", 0.0), ("\\boxed{84/2}", 1.0)])
-def test_math_verify(text, want):
-    assert MathVerify()(item(text)).score == want
-
-
-def test_extract_answer_prefers_boxed():
-    assert extract_answer("7 then \\boxed{3} then 9") == "3"
+@pytest.mark.parametrize("answer, text, want", [
+    ("42", "so the answer is \\boxed{42}", 1.0), ("42", "the answer is 42.", 1.0), ("42", "1,000 apples", 0.0),
+    ("42", "it is 41 or 42", 1.0), ("42", "no number", 0.0), ("42", "\\boxed{84/2}", 1.0),
+    ("42", "7 then \\boxed{3} then 42", 0.0),  # a boxed answer wins over a later number
+    ("\\frac{1}{2}", "the answer is $\\frac12$", 1.0), ("\\frac{1}{2}", "it is 0.5", 1.0),
+    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0.0),
+    ("\\{1,2\\}", "The set is $\\{2,1\\}$", 1.0), ("\\{1,2\\}", "The set is $\\{1,3\\}$", 0.0),
+    ("5\\text{ cm}", "\\boxed{5}", 1.0), ("10\\%", "\\boxed{10}", 1.0),
+    ("\\frac{\\sqrt{2}}{2}", "$\\sqrt{2}/2$", 1.0), ("x^2+2x+1", "\\boxed{(x+1)^2}", 1.0),
+    ("She sold 48/2 = 24 clips in May.\n#### 72", "In all 72 clips.", 1.0),  # a GSM8K solution
+    ("1,000", "1000", 1.0)])
+def test_math_verify_checks_answers_like_the_math_verify_package(answer, text, want):
+    out = MathVerify()(item(text, answer))
+    assert out.score == want, out.info
 
 
 def test_length_penalty_caps():
@@ -67,12 +72,21 @@ def test_a_failing_item_does_not_fail_the_batch(tmp_path):
     assert resp.num_errors == 2 and "plug-in bug" in resp.results[1].error and "non-finite" in resp.results[2].error
 
 
+def test_a_math_check_past_its_time_limit_scores_zero_and_the_next_one_works():
+    assert MathVerify()(item("\\boxed{42}")).score == 1.0  # the helper process is up
+    huge = "\\boxed{" + "+".join(f"x_{{{i}}}^{{{i}}}" for i in range(400)) + "}"
+    slow = MathVerify(timeout_s=0.01)(item(huge, "x"))
+    assert slow.score == 0.0 and slow.info["timeout"]
+    assert MathVerify()(item("\\boxed{42}")).score == 1.0
+
+
 def test_weight_zero_is_honoured_and_unset_means_one():
     """The proto field is optional: 0 arrives as 0 (reported, adds nothing), unset as 1."""
     from rlserve.rewards.scoring import specs_from_proto
+    from rlserve.security.plugins import PluginPolicy
 
     specs = specs_from_proto([reward_pb2.RewardFunctionSpec(name="exact_match", weight=0.0),
-                              reward_pb2.RewardFunctionSpec(name="format")])
+                              reward_pb2.RewardFunctionSpec(name="format")], PluginPolicy([]))
     assert [s.weight for s in specs] == [0.0, 1.0]
     score, components, _ = CombinedReward(specs[:1])(item("42"))
     assert score == 0.0 and components == {"exact_match": 1.0}

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from rlserve.training.batch import TrainBatch, rank_micro_batches
 from rlserve.training.forward import completion_positions
-from rlserve.training.packing import first_fit_decreasing
+from rlserve.training.packing import PACKERS, balanced, first_fit_decreasing, get_packer
 
 
 def make_batch(lengths: list[tuple[int, int]]) -> TrainBatch:
@@ -27,18 +27,47 @@ def test_first_fit_decreasing_respects_capacity():
     assert len(bins) == 3
 
 
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30), capacity=st.integers(40, 120))
+def test_balanced_bins_are_as_many_as_ffd_and_no_fuller(lengths, capacity):
+    ffd, even = first_fit_decreasing(lengths, capacity), balanced(lengths, capacity)
+    assert sorted(i for b in even for i in b) == list(range(len(lengths)))
+    assert len(even) <= len(ffd)
+
+    def fullest(bins):
+        return max(sum(lengths[i] for i in b) for b in bins)
+
+    assert fullest(even) <= capacity and fullest(even) <= fullest(ffd)
+
+
+def test_balanced_spreads_a_long_tail():
+    # FFD fills two bins to the brim and leaves the third half empty.
+    lengths = [20, 20, 20, 20, 20, 5, 5]
+    assert [sum(lengths[i] for i in b) for b in first_fit_decreasing(lengths, 45)] == [45, 45, 20]
+    assert [sum(lengths[i] for i in b) for b in balanced(lengths, 45)] == [40, 40, 30]
+
+
+def test_unknown_packing_algorithm_names_the_valid_ones():
+    import pytest
+
+    with pytest.raises(ValueError, match="first_fit_decreasing, balanced"):
+        get_packer("best_fit")
+
+
+ALGORITHMS = st.sampled_from(sorted(PACKERS))
 LENGTHS = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=9)
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=LENGTHS, packed=st.booleans(), dp=st.integers(1, 3), mbs=st.integers(1, 4))
-def test_every_completion_token_appears_once_with_its_values(lengths, packed, dp, mbs):
+@given(lengths=LENGTHS, packed=st.booleans(), dp=st.integers(1, 3), mbs=st.integers(1, 4), algorithm=ALGORITHMS)
+def test_every_completion_token_appears_once_with_its_values(lengths, packed, dp, mbs, algorithm):
     batch = make_batch(lengths)
     idx = list(range(batch.num_seqs))
     seen_gen, seen_adv = [], []
     counts = []
     for rank in range(dp):
-        mbs_ = rank_micro_batches(batch, idx, rank, dp, packed=packed, micro_batch_size=mbs, mb_tokens=16)
+        mbs_ = rank_micro_batches(batch, idx, rank, dp, packed=packed, micro_batch_size=mbs, mb_tokens=16,
+                                  algorithm=algorithm)
         counts.append(len(mbs_))
         for mb in mbs_:
             n = int(mb.completion_mask.sum())
@@ -57,7 +86,8 @@ def test_every_completion_token_appears_once_with_its_values(lengths, packed, dp
 
 def test_packed_positions_restart_per_sequence():
     batch = make_batch([(2, 2), (3, 1)])
-    (mb,) = rank_micro_batches(batch, [0, 1], 0, 1, packed=True, micro_batch_size=8, mb_tokens=16)
+    (mb,) = rank_micro_batches(batch, [0, 1], 0, 1, packed=True, micro_batch_size=8, mb_tokens=16,
+                              algorithm="balanced")
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
 
 
@@ -68,3 +98,26 @@ def test_bad_sequences_are_rejected():
         TrainBatch.from_sequences([[1, 2]], [2])
     with pytest.raises(ValueError, match="generator_logprobs"):
         TrainBatch.from_sequences([[1, 2, 3]], [1], [0.0], [[-1.0]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=LENGTHS, dp=st.integers(1, 3))
+def test_packed_micro_batches_carry_their_sequence_bounds(lengths, dp):
+    batch = make_batch(lengths)
+    for rank in range(dp):
+        for mb in rank_micro_batches(batch, list(range(batch.num_seqs)), rank, dp, packed=True,
+                                     micro_batch_size=8, mb_tokens=16, algorithm="balanced"):
+            starts = (mb.position_ids[0] == 0).nonzero().flatten().tolist()
+            assert mb.cu_seqlens.tolist() == starts + [mb.input_ids.shape[1]]
+            assert mb.max_seqlen == int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+            assert mb.attention_kwargs()["cu_seq_lens_q"] is mb.cu_seqlens
+
+
+def test_packed_ranks_are_balanced_by_tokens():
+    # Strided dealing would give rank 0 the three long sequences (36 tokens) and rank 1 six.
+    batch = make_batch([(6, 6), (1, 1), (6, 6), (1, 1), (6, 6), (1, 1)])
+    loads = [sum(mb.num_tokens for mb in rank_micro_batches(batch, list(range(6)), r, 2, packed=True,
+                                                             micro_batch_size=8, mb_tokens=24,
+                                                             algorithm="balanced"))
+             for r in range(2)]
+    assert loads == [24, 18]  # the best split of three 12s and three 2s

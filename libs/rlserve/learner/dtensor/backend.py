@@ -16,6 +16,7 @@ from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
+from rlserve.training.attention import register_hf_attention, unsupported_reason
 from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
@@ -30,17 +31,21 @@ class PolicyLogprobs(nn.Module):
 
     Wrapping the HF model lets the FSDP root gather the embeddings, final norm and head
     before this forward, while the vocabulary projection covers only completion positions.
+    With `maskless` the model attends through `rlserve.training.attention` (packed rows per
+    sequence from their cu_seqlens, right-padded rows causally), so no [T, T] mask is ever built;
+    otherwise transformers builds its masks (the block-diagonal one from the packed positions).
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, maskless: bool):
         super().__init__()
-        self.lm = lm
+        self.lm, self.maskless = lm, maskless
 
     def forward(self, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # Packed rows need their restarting positions (transformers derives the block-diagonal
-        # mask from them); padded rows use the default positions, which skips that detection.
+        # Packed rows need their restarting positions (RoPE restarts per sequence); padded rows use
+        # the default positions.
+        extra = mb.attention_kwargs() if self.maskless else {}
         out = self.lm.model(input_ids=mb.input_ids, position_ids=mb.position_ids if mb.packed else None,
-                            attention_mask=mb.attention_mask, use_cache=False)
+                            attention_mask=None if self.maskless else mb.attention_mask, use_cache=False, **extra)
         hidden = out.last_hidden_state
         if isinstance(hidden, DTensor):  # sequence parallel leaves it sharded along the sequence
             hidden = hidden.full_tensor()
@@ -53,7 +58,7 @@ class DTensorBackend(LearnerBackend):
     name = "dtensor"
 
     def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.spec, self.model_path, self.device = spec, Path(model_path), device
         cfg = spec.policy.dtensor_cfg
@@ -63,13 +68,16 @@ class DTensorBackend(LearnerBackend):
         self.param_dtype = _DTYPES[spec.policy.precision]
         torch.manual_seed(spec.grpo.seed)
 
-        lm = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.attention_fallback = unsupported_reason(config)
+        attn = {} if self.attention_fallback else {"attn_implementation": register_hf_attention()}
+        lm = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **attn)
         lm.config.use_cache = False
         self.pad_id = lm.config.pad_token_id or 0
         self.num_parameters = sum(p.numel() for p in lm.parameters())
         self.export_names = set(checkpoint_specs(self.model_path))
         lm.to(device)
-        self.model = PolicyLogprobs(lm)
+        self.model = PolicyLogprobs(lm, maskless=self.attention_fallback is None)
         parallelize(self.model, lm, self.mesh, cfg, self.param_dtype)
         self.accumulate_unsharded = self.dims.dp == 1 and not cfg.cpu_offload
 
@@ -83,8 +91,10 @@ class DTensorBackend(LearnerBackend):
     # --- contract ------------------------------------------------------------
 
     def info(self) -> BackendInfo:
-        return BackendInfo(self.name, self.dims.world_size, self.dims.describe(), self.num_parameters,
-                           str(self.device))
+        attention = (f"transformers attention ({self.attention_fallback})" if self.attention_fallback
+                     else "maskless packed attention")
+        return BackendInfo(self.name, self.dims.world_size, f"{self.dims.describe()}; {attention}",
+                           self.num_parameters, str(self.device))
 
     def _run_updates(self, objective: StepObjective) -> list[torch.Tensor]:
         prev = self._prev_logprobs(objective) if objective.needs_prev_logprobs else None

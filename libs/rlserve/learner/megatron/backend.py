@@ -5,9 +5,12 @@ owns the plan, the losses, the normalisation and the metrics); only the
 machinery differs:
 
 - forward/backward go through `get_forward_backward_func()`, so pipeline
-  parallelism runs Megatron's 1F1B schedule; the loss function it is given
-  computes logprobs of completion tokens from the vocab-parallel logits
-  (`forward.vocab_parallel_logprobs`) and calls `StepObjective.micro_batch_loss`.
+  parallelism runs Megatron's 1F1B schedule; the last stage returns its final
+  hidden states (`forward.defer_output_layer`), and the loss function it is
+  given projects the completion positions onto this rank's vocabulary rows in
+  bounded memory (`forward.vocab_parallel_logprobs`) and calls
+  `StepObjective.micro_batch_loss`. Packed micro-batches go in Megatron's
+  "thd" format with per-sequence attention and no [T, T] mask.
 - Gradient scaling. Each micro-batch loss is already divided by the global
   count of the optimizer minibatch, so the wanted gradient is the plain sum over
   micro-batches and data-parallel ranks. Megatron's schedule divides each
@@ -50,7 +53,9 @@ from rlserve.learner.megatron.config import (
 )
 from rlserve.learner.megatron.forward import (
     ModelInputs,
+    defer_output_layer,
     model_inputs,
+    output_weight,
     padded_shape,
     vocab_parallel_logprobs,
 )
@@ -182,6 +187,8 @@ class MegatronBackend(LearnerBackend):
                      etp=ps.get_expert_tensor_parallel_rank())
         load_megatron_state(gpt, stage_shard(gpt, self.model_path, self.hf_config, ranks, vocab_rows, self.use_te,
                                              self.tconfig.moe_grouped_gemm))
+        if gpt.post_process:
+            defer_output_layer(gpt)
         return gpt
 
     def _build_training_stack(self, passthrough: Passthrough) -> None:
@@ -194,7 +201,7 @@ class MegatronBackend(LearnerBackend):
         if self.tconfig.bf16:
             # As Megatron-LM does: cast every parameter to bf16 (the local spec's torch norms are created
             # in fp32 otherwise, and the distributed optimizer's checkpoint mapping assumes one dtype) and
-            # keep the logits in bf16 (only the scored rows are upcast, in vocab_parallel_logprobs).
+            # keep the output (final hidden states) in bf16; the scored logits are fp32.
             module = Float16Module(self.tconfig, self.gpt)
             self.forward_kwargs = {"fp32_output": False}
         self.model = DistributedDataParallel(self.tconfig, ddp_config(self.spec, passthrough), module)
@@ -244,8 +251,8 @@ class MegatronBackend(LearnerBackend):
             shapes = [tuple(s) for s in common.tolist()]
         if self.layout.pp > 1:  # stages exchange activations of one shape per schedule call
             shapes = [tuple(max(dim) for dim in zip(*shapes))] * len(plan)
-        # Built as the schedule asks for them: one micro-batch's inputs (and packed mask) at a time.
-        inputs = ((j, mb.to(self.device), model_inputs(mb, self.device, *shape, self.use_te, self.pad_id))
+        # Built as the schedule asks for them: one micro-batch's inputs at a time.
+        inputs = ((j, mb.to(self.device), model_inputs(mb, self.device, *shape, self.pad_id))
                   for j, (mb, shape) in enumerate(zip(plan, shapes)))
         rows, width = shapes[0]  # the schedule uses it for pipeline p2p only, where all shapes are equal
         return get_forward_backward_func()(
@@ -258,14 +265,15 @@ class MegatronBackend(LearnerBackend):
         j, mb, inputs = next(data_iterator)
         return model(**inputs.model_kwargs(), **kwargs), partial(loss_fn, j, mb, inputs)
 
-    def _logprobs(self, inputs: ModelInputs, logits: torch.Tensor, with_entropy: bool):
-        rows = logits.flatten(0, 1).index_select(0, inputs.hidden_index)
-        return vocab_parallel_logprobs(rows, inputs.targets, self.hf_config.vocab_size, with_entropy)
+    def _logprobs(self, inputs: ModelInputs, hidden: torch.Tensor, with_entropy: bool):
+        rows = hidden.flatten(0, 1).index_select(0, inputs.hidden_index)
+        return vocab_parallel_logprobs(rows, output_weight(self.gpt), inputs.targets, self.hf_config.vocab_size,
+                                       with_entropy)
 
     def _loss(self, objective: StepObjective, k: int, prev: list[torch.Tensor] | None, num_microbatches: int,
-              j: int, mb: MicroBatch, inputs: ModelInputs, logits: torch.Tensor):
+              j: int, mb: MicroBatch, inputs: ModelInputs, hidden: torch.Tensor):
         """Last pipeline stage: the shared objective's loss, scaled for Megatron's schedule and DDP."""
-        curr, entropy = self._logprobs(inputs, logits, with_entropy=True)
+        curr, entropy = self._logprobs(inputs, hidden, with_entropy=True)
         value = objective.micro_batch_loss(k, mb, curr, None if prev is None else prev[j], entropy)
         # The schedule divides by num_microbatches and DDP averages over dp: undo both (module docstring).
         return value * (self.layout.dp * num_microbatches), {}
@@ -274,8 +282,8 @@ class MegatronBackend(LearnerBackend):
     def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]] | None:
         """Logprobs under the weights at the start of the step (last stage only), for steps of several updates."""
 
-        def collect(j, mb, inputs, logits):
-            lps, _ = self._logprobs(inputs, logits, with_entropy=False)
+        def collect(j, mb, inputs, hidden):
+            lps, _ = self._logprobs(inputs, hidden, with_entropy=False)
             return lps.sum() * 0.0, {"logprobs": lps}
 
         out = [self._run(plan, collect, forward_only=True) for plan in objective.plans]

@@ -115,5 +115,5 @@ def load(path: Path, model, optimizer) -> dict:
     _restore_adam_steps(optimizer)
     rng = path / f"rng_rank{dist.get_rank()}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
-    return torch.load(path / "extra.pt", weights_only=False)
+        _set_rng_state(torch.load(rng, weights_only=True))
+    return torch.load(path / "extra.pt", weights_only=True)

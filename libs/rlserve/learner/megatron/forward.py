@@ -1,19 +1,15 @@
-"""Model inputs for a micro-batch, and logprobs/entropy from vocab-parallel logits.
+"""Model inputs for a micro-batch, and logprobs/entropy from the final hidden states.
 
 Padded micro-batches ([B, L], right padding) need no mask: under the causal
 mask a real token never sees the padding after it, and padding positions are
 never scored. Packed micro-batches ([1, T], several sequences back to back)
-must not attend across sequences:
-
-- local layer spec: an explicit block-diagonal causal mask [1, 1, T, T]
-  (True = masked, Megatron's convention). Megatron's RoPE takes positions
-  0..T-1 over the whole row, not the per-sequence `position_ids`; RoPE scores
-  depend only on the distance between two positions, and the block-diagonal
-  mask keeps every attended pair inside one sequence, so this equals per-sequence
-  positions (up to rounding of cos/sin at larger angles).
-- Transformer Engine spec: `PackedSeqParams` in the "thd" format with the
-  sequences' cu_seqlens (the fused/flash kernels restrict attention per
-  sequence and RoPE restarts per sequence), and no mask.
+must not attend across sequences; they go in Megatron's "thd" format,
+`PackedSeqParams` with the sequences' cu_seqlens and no mask, on both layer
+specs: Megatron then applies RoPE per sequence (positions restart), and the
+attention keeps each sequence to itself: Transformer Engine's fused/flash
+kernels, or on the local spec rlserve's core attention
+(`model.sdpa_attention_class` -> `rlserve.training.attention`), with memory
+linear in T (no [T, T] mask).
 
 With sequence parallelism the sequence dim is split over TP, so rows are padded
 to a multiple of the TP size. With pipeline parallelism every micro-batch of a
@@ -23,14 +19,17 @@ shapes first, but its config refuses that with the MoE allgather dispatcher).
 Padding is never a completion token, and in a packed row it forms its own
 segment.
 
-Logprobs. With TP the output layer is vocab-parallel: each TP rank holds
-logits for V/tp vocabulary entries. log p(target) is minus Megatron's
-`vocab_parallel_cross_entropy` (a max and a sum-exp all-reduced over TP, the
-target logit taken on the rank that owns it, its own backward), so the full
-vocabulary is never gathered. The entropy (a metric, no gradient) uses the
-same reductions: H = lse - sum_v p_v * l_v. Vocab rows that Megatron pads past
-the HF vocabulary get logit -inf-like (the fp32 minimum) so they take no
-probability mass, as in the HF model, which has no such rows.
+Logprobs. GPTModel would project every position onto the vocabulary and keep
+those [T, V/tp] logits for backward; `defer_output_layer` makes it return the
+final hidden states instead (gathered over sequence-parallel ranks, and marked
+for the TP all-reduce of their gradient, as the output layer does), and
+`vocab_parallel_logprobs` projects only the completion positions, in chunks,
+with `rlserve.training.forward.gather_logprobs` (bounded memory in forward and
+backward). With TP the output layer is vocab-parallel: each TP rank holds V/tp
+vocabulary rows; the log-normaliser, target logit and entropy are combined
+over TP with two small all-reduces, so the full vocabulary is never gathered.
+Vocab rows that Megatron pads past the HF vocabulary take no probability mass,
+as in the HF model, which has no such rows.
 """
 
 from __future__ import annotations
@@ -41,22 +40,21 @@ import torch
 import torch.distributed as dist
 
 from rlserve.training.batch import MicroBatch
-from rlserve.training.forward import completion_positions
+from rlserve.training.forward import completion_positions, gather_logprobs
 
 
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
     packed_seq_params: object | None
-    # Rows of the flattened [B*L] logits that score a completion token, and those tokens, in row-major
+    # Rows of the flattened [B*L] hidden states that score a completion token, and those tokens, in row-major
     # order (that of MicroBatch's flat per-token vectors); built on the host, so selecting needs no sync.
     hidden_index: torch.Tensor
     targets: torch.Tensor
 
     def model_kwargs(self) -> dict:
-        kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=self.attention_mask)
+        kwargs = dict(input_ids=self.input_ids, position_ids=self.position_ids, attention_mask=None)
         if self.packed_seq_params is not None:
             kwargs["packed_seq_params"] = self.packed_seq_params
         return kwargs
@@ -81,28 +79,20 @@ def is_packed(mb: MicroBatch) -> bool:
     return mb.attention_mask is None and mb.input_ids.shape[0] == 1 and bool((mb.position_ids[0, 1:] == 0).any())
 
 
-def model_inputs(mb: MicroBatch, device: torch.device, rows: int, width: int, use_te: bool, pad_id: int
-                 ) -> ModelInputs:
+def model_inputs(mb: MicroBatch, device: torch.device, rows: int, width: int, pad_id: int) -> ModelInputs:
     """What GPTModel.forward takes for `mb` padded to [rows, width], on `device` (module docstring)."""
     packed = is_packed(mb)
     input_ids = _pad(mb.input_ids, rows, width, pad_id)
     completion = _pad(mb.completion_mask, rows, width, False)
-    mask, packed_params = None, None
+    packed_params = None
     if packed:
         extra = width - mb.position_ids.shape[1]
         position_ids = torch.cat([mb.position_ids, torch.arange(extra)[None]], dim=1) if extra else mb.position_ids
-        starts = position_ids[0] == 0
-        if use_te:
-            packed_params = _packed_seq_params(starts, device)
-        else:
-            segment = torch.cumsum(starts.long(), 0)
-            causal = torch.ones(width, width, dtype=torch.bool).tril_()
-            allowed = causal & (segment[:, None] == segment[None, :])
-            mask = (~allowed)[None, None].to(device)
+        packed_params = _packed_seq_params(position_ids[0] == 0, device)
     else:
         position_ids = torch.arange(width).expand(rows, width).contiguous()
     hidden_index = completion_positions(completion).flatten().nonzero().squeeze(1)
-    return ModelInputs(input_ids.to(device), position_ids.to(device), mask, packed_params, hidden_index.to(device),
+    return ModelInputs(input_ids.to(device), position_ids.to(device), packed_params, hidden_index.to(device),
                        input_ids[completion].to(device))
 
 
@@ -117,35 +107,61 @@ def _packed_seq_params(starts: torch.Tensor, device: torch.device):
                            max_seqlen_kv=max_len)
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) [N] (differentiable) and the entropy [N] (no grad) of vocab-parallel logits [N, V/tp]."""
-    from megatron.core import parallel_state, tensor_parallel
+def defer_output_layer(gpt) -> None:
+    """Make `gpt` (a last pipeline stage) return its final hidden states [b, s, h] instead of logits.
+
+    The output layer keeps its weight (checkpoints, DDP buckets and the optimizer see no change);
+    only its forward is replaced, by one that prepares the hidden states as ColumnParallelLinear
+    prepares its input: gathered from sequence-parallel ranks (reduce-scattered gradient), or
+    copied into the TP region (all-reduced gradient). `vocab_parallel_logprobs` then projects the
+    scored rows with `output_weight(gpt)`.
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    layer = gpt.output_layer
+
+    def hidden_states(input_, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
+                                                          group=layer.tp_group)
+        elif dist.get_world_size(layer.tp_group) > 1:
+            input_ = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+        # GPTModel transposes the output to [b, s, h], so its gradient comes back as a transposed
+        # view; megatron-core 0.16.1's TP all-reduce (`mappings._reduce`) reduces `.contiguous()`
+        # of its input and returns the input, which drops the reduction for such a view.
+        return _ContiguousGrad.apply(input_), None
+
+    layer.forward = hidden_states
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def output_weight(gpt) -> torch.Tensor:
+    """This TP rank's rows of the output projection (the embedding when they are tied)."""
+    return gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight
+
+
+def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) [N] (differentiable) and the entropy [N] (no grad) of rows `hidden` [N, h]
+    under this TP rank's vocabulary rows `weight` [V/tp, h] (module docstring)."""
+    from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    rank, part = parallel_state.get_tensor_model_parallel_rank(), logits.shape[-1]
-    logits = logits.float()
-    first = rank * part
-    if first + part > vocab_size:  # Megatron's padded vocab rows: no probability mass
-        padded = torch.arange(first, first + part, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min)
-    # Entropy first: vocab_parallel_cross_entropy overwrites its input in place (saving a copy of
-    # the logits); `logits` here is already a temporary (the selected rows), never the model output.
-    entropy = _vocab_parallel_entropy(logits, group) if with_entropy else None
-    logprobs = -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
-    return logprobs, entropy
-
-
-@torch.no_grad()
-def _vocab_parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    tp = dist.get_world_size(group)
-    top = logits.max(dim=-1).values
-    if tp > 1:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - top[:, None]
-    exp = shifted.exp()
-    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
-    if tp > 1:
-        dist.all_reduce(sums, group=group)
-    # H = log Z - E[l - max] with Z = sum exp(l - max).
-    return sums[0].log() - sums[1] / sums[0]
+    first = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+    valid = max(0, min(weight.shape[0], vocab_size - first))  # Megatron's padded vocab rows: no mass
+    return gather_logprobs(hidden, weight, targets, with_entropy=with_entropy, vocab_start=first, valid_rows=valid,
+                           group=group if dist.get_world_size(group) > 1 else None)

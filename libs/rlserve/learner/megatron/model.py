@@ -215,18 +215,23 @@ def load_megatron_state(model: torch.nn.Module, state: Mapping[str, Tensor]) -> 
 
 
 def sdpa_attention_class():
-    """Megatron's DotProductAttention computed with torch.nn.functional.scaled_dot_product_attention.
+    """Megatron's DotProductAttention computed with torch's fused attention kernels.
 
     Without Transformer Engine, Megatron's local layer spec attends with baddbmm + softmax + bmm
     over explicit [b, n, s, s] scores (DotProductAttention), which is slow and memory-hungry at long
     sequences. This subclass keeps its parameters, layout ([s, b, n, d] in, [s, b, n*d] out) and
-    masks (None: causal; a boolean mask: True = masked out), and hands the maths to SDPA, which
-    picks flash or memory-efficient kernels on GPUs. Configurations SDPA cannot express
-    (query-key layer scaling, a learnable softmax offset, sliding windows, attention dropout)
-    fall back to the parent's forward.
+    masks (None: causal; a boolean mask: True = masked out), and hands the maths to
+    `torch.nn.functional.scaled_dot_product_attention`, which picks flash or memory-efficient
+    kernels on GPUs. Packed rows come in Megatron's "thd" layout ([t, n, d], `PackedSeqParams`
+    with the sequences' cu_seqlens; Megatron has already applied RoPE per sequence) and attend per
+    sequence through `rlserve.training.attention.packed_causal_attention`, with no [t, t] mask.
+    Configurations SDPA cannot express (query-key layer scaling, a learnable softmax offset,
+    sliding windows, attention dropout) fall back to the parent's forward, which cannot pack.
     """
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from rlserve.training.attention import packed_causal_attention
 
     class SdpaAttention(DotProductAttention):
         def _sdpa_ok(self) -> bool:
@@ -236,9 +241,17 @@ def sdpa_attention_class():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            if not self._sdpa_ok() or attention_bias is not None or packed_seq_params is not None:
+            packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+            if not self._sdpa_ok() or attention_bias is not None or (packed_seq_params is not None and not packed):
+                if packed:
+                    raise NotImplementedError("packed sequences on the local spec need the SDPA-expressible "
+                                              "attention (no query-key scaling, softmax offset, window or dropout)")
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
+            if packed:  # [t, n, d], one row of sequences back to back
+                out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                              packed_seq_params.max_seqlen_q, self.softmax_scale)
+                return out.reshape(out.shape[0], self.hidden_size_per_partition)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
             mask = None if attention_mask is None else ~attention_mask
             out = F.scaled_dot_product_attention(

@@ -12,10 +12,16 @@ The automatic rule, for a model of P parameters (P_e of them in experts):
   master + 8 moments = 18), spread over the model-parallel ranks; activations
   of one micro-batch of T tokens take L * T * h * 34 bytes in 16-bit
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models"; 2 * L * T * h with full recompute, x2 in fp32) plus the
-  fp32 logits (3 * T * vocab * 4 bytes), spread over TP. The budget is 80% of
-  the device's memory (host memory on CPU test runs). The distributed
-  optimizer's sharding of the Adam state over DP is left out (conservative).
+  Transformer Models"; 2 * L * T * h with full recompute, x2 in fp32; their
+  attention-score term is left out: attention runs in fused kernels, and packed
+  rows attend per sequence without a [T, T] mask) plus the fp32 logits of one
+  chunk of scored rows and its temporaries (3 * min(T, chunk rows) * vocab * 4
+  bytes: `rlserve.training.forward` never holds more), spread over TP. T is
+  the micro-batch's token budget: `policy.sequence_packing.train_mb_tokens`
+  when packing, else micro-batch size x max_total_sequence_length. The budget
+  is 80% of the device's memory (host memory on CPU test runs). The
+  distributed optimizer's sharding of the Adam state over DP is left out
+  (conservative).
 - TP first, then PP: the smallest model-parallel degree tp * pp that fits
   (if none does, the one needing least memory, flagged in the reason);
   TP must divide the attention heads and KV groups and stay within one node
@@ -41,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from rlserve.config.spec import MegatronCfg
+from rlserve.training.forward import default_chunk_rows
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +132,7 @@ def choose_layout(cfg: MegatronCfg, model: ModelShape, world_size: int, memory_b
     bytes_per_param = 16 if precision == "float32" else 18
     act_scale = (2 if cfg.activation_checkpointing else 34) * (2 if precision == "float32" else 1)
     activations = model.num_layers * tokens_per_micro_batch * model.hidden_size * act_scale
-    activations += 3 * tokens_per_micro_batch * model.vocab_size * 4
+    activations += 3 * min(tokens_per_micro_batch, default_chunk_rows(model.vocab_size)) * model.vocab_size * 4
     dense = model.num_parameters - model.expert_parameters
     budget = _BUDGET * memory_bytes
 

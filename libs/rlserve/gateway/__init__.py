@@ -1,0 +1,1 @@
+"""The public gRPC endpoint: authentication, roles, and forwarding to the services."""

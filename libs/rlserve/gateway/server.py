@@ -1,0 +1,157 @@
+"""The gateway's gRPC server: authenticate, check the role, decode, forward, encode.
+
+Ray Serve 2.60's gRPC proxy has no hook for authentication (its server takes
+no interceptors, and HTTP middlewares do not apply to gRPC), so the public
+endpoint is this small grpc.aio server. An interceptor checks the bearer
+token before anything else runs: a call without a valid token gets
+UNAUTHENTICATED whatever method it names, before its request is even
+decoded. Handlers take raw bytes, so undecodable requests are
+INVALID_ARGUMENT (not grpcio's INTERNAL), and an unknown method is grpcio's
+UNIMPLEMENTED. What a forwarded call raises becomes its status through
+`rlserve.rpc.status_of`: one clean line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rlserve.gateway.methods import RpcMethod, all_methods
+from rlserve.logs import event
+from rlserve.rpc import clean, status_of
+from rlserve.security.tokens import Role, TokenStore, bearer_token
+
+log = logging.getLogger("rlserve.gateway")
+
+Forward = Callable[[RpcMethod, Message], Awaitable[Message]]
+ForwardStream = Callable[[RpcMethod, Message], AsyncIterator[Message]]
+# Health checks answer without a token (load balancers probe them); they reveal nothing.
+_OPEN = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str
+    port: int
+    # None: no authentication (the cluster file says `auth: none`).
+    tokens: TokenStore | None
+    expose_internal: bool
+    apps: dict[str, str]
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    max_message_mb: int = 64
+
+
+def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED without a valid token; PERMISSION_DENIED for an internal RPC without an admin token."""
+
+    def __init__(self, tokens: TokenStore | None, methods: dict[str, RpcMethod]):
+        self.tokens = tokens
+        self.methods = methods
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if self.tokens is None or details.method in _OPEN:
+            return await continuation(details)
+        role = self.tokens.role_of(bearer_token(details.invocation_metadata))
+        if role is None:
+            event(log, "gateway.unauthenticated", logging.WARNING, method=clean(details.method)[:200])
+            return _deny(grpc.StatusCode.UNAUTHENTICATED,
+                         "a valid `authorization: Bearer TOKEN` is required (`deploy/serve token` shows where "
+                         "the cluster's token file is)")
+        method = self.methods.get(details.method)
+        if method is not None and not method.public and role < Role.ADMIN:
+            event(log, "gateway.forbidden", logging.WARNING, method=details.method)
+            return _deny(grpc.StatusCode.PERMISSION_DENIED, f"{details.method} is an internal RPC: it needs an "
+                                                            f"admin token")
+        return await continuation(details)
+
+
+def _decode(method: RpcMethod, raw: bytes) -> Message | None:
+    try:
+        return method.request.FromString(raw)
+    except (DecodeError, RuntimeWarning, ValueError):
+        return None
+
+
+def _unary_handler(method: RpcMethod, forward: Forward) -> grpc.RpcMethodHandler:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = _decode(method, raw)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {method.request.DESCRIPTOR.full_name}")
+        try:
+            response = await forward(method, request)
+            data = response.SerializeToString()
+        except Exception as err:  # noqa: BLE001 - every failure becomes a status
+            status = status_of(err)
+        else:
+            return data
+        await context.abort(status.code, status.message)
+    return grpc.unary_unary_rpc_method_handler(handle)
+
+
+def _stream_handler(method: RpcMethod, forward_stream: ForwardStream) -> grpc.RpcMethodHandler:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        request = _decode(method, raw)
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {method.request.DESCRIPTOR.full_name}")
+        status = None
+        try:
+            async for item in forward_stream(method, request):
+                yield item.SerializeToString()
+        except Exception as err:  # noqa: BLE001 - every failure becomes a status
+            status = status_of(err)
+        if status is not None:
+            await context.abort(status.code, status.message)
+    return grpc.unary_stream_rpc_method_handler(handle)
+
+
+def served_methods(cfg: GatewayConfig) -> list[RpcMethod]:
+    """The public RPCs, plus the internal ones when the cluster file exposes them."""
+    return [m for m in all_methods(cfg.apps) if m.public or cfg.expose_internal]
+
+
+async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStream) -> grpc.aio.Server:
+    """Bind and start the endpoint on the running event loop; raises if the address cannot be bound."""
+    methods = served_methods(cfg)
+    limit = cfg.max_message_mb * 2**20
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods})],
+        # No port sharing: another process of this user must not be able to bind the endpoint too.
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
+                 ("grpc.max_send_message_length", limit)])
+    by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+    for m in methods:
+        handler = _stream_handler(m, forward_stream) if m.server_streaming else _unary_handler(m, forward)
+        by_service.setdefault(m.service, {})[m.name] = handler
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(s, h) for s, h in by_service.items()])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.cert_file is not None:
+        credentials = grpc.ssl_server_credentials([(cfg.key_file.read_bytes(), cfg.cert_file.read_bytes())])
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    if not bound:
+        raise RuntimeError(f"gateway: cannot bind {address}")
+    await server.start()
+    for service in by_service:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    event(log, "gateway.ready", address=address, tls=cfg.cert_file is not None, auth=cfg.tokens is not None,
+          internal=cfg.expose_internal, rpcs=len(methods))
+    return server

@@ -1,0 +1,79 @@
+"""A run heals itself: when a service loses the run's state, continue from the last checkpoint.
+
+`run_grpo` runs attempts of the loop (`loop.attempt`). An attempt that ends
+with `RunStateLost` (a service answered ABORTED: the learner's training
+session is gone because a worker died or its replica restarted, or the
+rollout no longer holds the run's weights) is followed by another that
+reconfigures the learner from the last checkpoint (`checkpoints.restore`),
+drops what was generated after it with reason `recovered`, and goes on; a
+RECOVERED event says what was lost and how many steps are redone. The
+number of recoveries in a row without a new checkpoint in between is bounded
+(`checkpointing.max_recovery_attempts`), so a fault that recurs every time
+fails the run instead of looping. `checkpointing.auto_resume: false` turns
+this off (the run then fails, and `rlserve submit --resume` continues it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from rlserve.v1 import coordinator_pb2 as pb
+from services.coordinator.calls import RunStateLost, connect_services
+from services.coordinator.context import Context, LoopSettings
+from services.coordinator.loop import attempt
+from services.coordinator.runs import Run
+
+
+@dataclass
+class RecoveryBudget:
+    """Recoveries allowed in a row; a new checkpoint (progress that sticks) refills it."""
+
+    max_attempts: int
+    used: int = 0
+
+    def spend(self) -> bool:
+        if self.used >= self.max_attempts:
+            return False
+        self.used += 1
+        return True
+
+    def refill(self) -> None:
+        self.used = 0
+
+
+async def run_grpo(run: Run, settings: LoopSettings) -> None:
+    calls = await connect_services(settings.apps, run.spec.reward.endpoint, settings.retry,
+                                   on_retry=lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
+                                   timeout_s=settings.watchdog_timeout_s)
+    cfg = run.spec.checkpointing
+    budget = RecoveryBudget(cfg.max_recovery_attempts)
+    reason, run.resume_reason = run.resume_reason, ""
+    since: float | None = None
+    try:
+        while True:
+            # Off the event loop: building the data set takes a while, and the coordinator keeps answering.
+            ctx = await asyncio.to_thread(Context, run, calls, settings)
+            ctx.recovering_since = since
+            try:
+                await attempt(ctx, reason)
+                return
+            except RunStateLost as err:
+                if ctx.checkpoints_saved:
+                    budget.refill()
+                if not cfg.auto_resume:
+                    raise RuntimeError(f"{err} (checkpointing.auto_resume is off; continue with "
+                                       f"`rlserve submit --resume {run.run_id}`)") from None
+                if not budget.spend():
+                    raise RuntimeError(f"{err}; gave up after {budget.max_attempts} recoveries in a row without a "
+                                       f"new checkpoint (checkpointing.max_recovery_attempts)") from None
+                since = time.monotonic()
+                reason = f"recovery {budget.used}/{budget.max_attempts} after lost state ({err})"
+                run.emit(pb.EVENT_KIND_INFO, f"the run lost state at step {run.step}: {err}; restoring the last "
+                         f"checkpoint (recovery {budget.used}/{budget.max_attempts})")
+    finally:
+        await calls.close()
+
+
+__all__ = ["LoopSettings", "RecoveryBudget", "run_grpo"]

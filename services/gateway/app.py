@@ -1,0 +1,101 @@
+"""The gateway Serve application: the cluster's public gRPC endpoint.
+
+Its replica runs a grpc.aio server on the cluster file's `host:grpc_port`
+(`rlserve.gateway.server`: bearer tokens, roles, TLS) and forwards each call
+to the service's Serve deployment through a handle, the same path the
+coordinator uses inside the cluster. Serve's own proxies are off, so this is
+the only way in from outside.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from google.protobuf.message import Message
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from rlserve.cluster.deployment import build_app
+from rlserve.gateway import server
+from rlserve.gateway.methods import RpcMethod
+from rlserve.logs import event, setup_logging
+from rlserve.security.tokens import Role, TokenStore
+
+log = logging.getLogger("rlserve.gateway")
+
+
+class TokenFiles(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    token_file: str
+    admin_token_file: str
+
+
+class TlsFiles(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: str
+    key_file: str
+
+
+class GatewayArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(9000, gt=0, lt=65536)
+    # None: no authentication (`auth: none` in the cluster file, warned at every start). Required,
+    # so there is no module-level default app: an endpoint without a decision on auth is not deployable.
+    auth: TokenFiles | None
+    tls: TlsFiles | None = None
+    expose_internal: bool = False
+    apps: dict[str, str] = {}
+    max_message_mb: int = Field(64, ge=1, le=1024)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)
+class Gateway:
+    async def __init__(self, args: dict | None = None):
+        setup_logging()
+        self.args = GatewayArgs.model_validate(args or {})
+        auth, tls = self.args.auth, self.args.tls
+        tokens = None
+        if auth is None:
+            event(log, "gateway.auth_off", logging.WARNING,
+                  message="`auth: none`: anyone who can reach the endpoint can use it")
+        else:
+            tokens = TokenStore({Role.USER: Path(auth.token_file), Role.ADMIN: Path(auth.admin_token_file)})
+        self.handles: dict[str, DeploymentHandle] = {}
+        self.server = await server.start(
+            server.GatewayConfig(host=self.args.host, port=self.args.port, tokens=tokens,
+                                 expose_internal=self.args.expose_internal, apps=self.args.apps,
+                                 cert_file=Path(tls.cert_file) if tls else None,
+                                 key_file=Path(tls.key_file) if tls else None,
+                                 max_message_mb=self.args.max_message_mb),
+            self._forward, self._forward_stream)
+
+    def _handle(self, app: str) -> DeploymentHandle:
+        if app not in self.handles:
+            self.handles[app] = serve.get_app_handle(app)
+        return self.handles[app]
+
+    async def _forward(self, method: RpcMethod, request: Message) -> Message:
+        return await getattr(self._handle(method.app), method.name).remote(request)
+
+    async def _forward_stream(self, method: RpcMethod, request: Message) -> AsyncIterator[Message]:
+        stream = getattr(self._handle(method.app).options(stream=True), method.name).remote(request)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.cancel()  # the client went away or the stream ended: stop the replica's generator too
+
+    async def __del__(self):
+        await self.server.stop(grace=2)
+
+
+def build(args: dict) -> serve.Application:
+    """Serve application builder (`import_path: services.gateway.app:build`)."""
+    return build_app(Gateway, GatewayArgs, args)

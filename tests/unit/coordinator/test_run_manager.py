@@ -1,0 +1,102 @@
+"""The run manager without a cluster: preflight before the queue moves, run ids as folder names,
+confined resume, and run records that cannot break ListRuns."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+import yaml
+
+from rlserve.rpc import RpcError, invalid_argument
+from rlserve.v1 import coordinator_pb2 as pb
+from services.coordinator.runs import TERMINAL, RunManager
+
+SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2}, "logger": {"tensorboard_enabled": False}})
+
+
+def manager(tmp_path, preflight_error: str | None = None, trained: list | None = None) -> RunManager:
+    async def check(spec):
+        return spec
+
+    async def preflight(spec):
+        if preflight_error and spec.name == preflight_error:
+            raise invalid_argument("policy.model_name", "not this one")
+
+    async def body(run):
+        run.step = run.spec.grpo.max_num_steps
+        (trained if trained is not None else []).append(run.run_id)
+
+    return RunManager(tmp_path, body, check, preflight, preflight_timeout_s=5)
+
+
+async def until_done(m: RunManager, run_id: str) -> pb.Run:
+    for _ in range(200):
+        if m.get(run_id).state in TERMINAL:
+            return m.get(run_id).to_proto()
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{run_id} did not end: {m.get(run_id).to_proto()}")
+
+
+def test_runs_start_after_their_preflight_and_a_failed_one_does_not_block_the_queue(tmp_path):
+    async def main():
+        trained = []
+        m = manager(tmp_path, preflight_error="bad", trained=trained)
+        bad = await m.submit(SPEC.replace("name: unit", "name: bad"), "first", False)
+        good = await m.submit(SPEC, "second", False)
+        assert bad.state == good.state == pb.RUN_STATE_QUEUED
+        failed, done = await until_done(m, "first"), await until_done(m, "second")
+        assert failed.state == pb.RUN_STATE_FAILED and failed.error.startswith("preflight: INVALID_ARGUMENT: "
+                                                                                 "policy.model_name")
+        assert done.state == pb.RUN_STATE_SUCCEEDED and trained == ["second"]
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("run_id", ["../escape", "/abs", ".cluster", "a/b", "x" * 129, "tab\there"])
+def test_run_ids_are_folder_names_for_new_and_resumed_runs(tmp_path, run_id):
+    async def main():
+        m = manager(tmp_path / "runs")
+        for resume in (False, True):
+            with pytest.raises(RpcError) as err:
+                await m.submit(SPEC, run_id, resume)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.message.startswith("run_id:")
+    asyncio.run(main())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
+
+def test_finished_runs_resume_only_to_extend_them(tmp_path):
+    async def main():
+        m = manager(tmp_path)
+        await m.submit(SPEC, "r", False)
+        assert (await until_done(m, "r")).step == 2
+        for spec_yaml in ("", SPEC):
+            with pytest.raises(RpcError) as err:
+                await m.submit(spec_yaml, "r", True)
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(RpcError) as err:
+            await m.submit(SPEC.replace("name: unit", "name: other").replace("max_num_steps: 2", "max_num_steps: 3"),
+                           "r", True)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "only grpo.max_num_steps" in err.value.message
+        await m.submit(SPEC.replace("max_num_steps: 2", "max_num_steps: 3"), "r", True)
+        final = await until_done(m, "r")
+        assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == final.max_steps == 3
+    asyncio.run(main())
+
+
+def test_records_that_do_not_fit_the_api_are_skipped_not_fatal(tmp_path):
+    async def main():
+        m = manager(tmp_path)
+        await m.submit(SPEC, "fine", False)
+        await until_done(m, "fine")
+    asyncio.run(main())
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "spec.yaml").write_text(SPEC)
+    info = json.loads((tmp_path / "fine" / "run.json").read_text())
+    (huge / "run.json").write_text(json.dumps({**info, "run_id": "huge", "step": 2**70}))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "run.json").write_text("{not json")
+    again = manager(tmp_path)
+    assert [r.run_id for r in again.list_protos()] == ["fine"]

@@ -1,0 +1,177 @@
+"""The Ray-free parts of recovery and run history: the ledger's rewind to a checkpoint, the recovery
+budget, error summaries, metrics/TensorBoard rewind, and runs reloaded by a restarted coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+
+from rlserve.config import spec_to_yaml
+from rlserve.config.spec import RunSpec
+from rlserve.v1 import coordinator_pb2 as pb
+from services.coordinator.groups import summarize_errors
+from services.coordinator.ledger import Ledger
+from services.coordinator.recorder import Recorder
+from services.coordinator.recovery import RecoveryBudget
+from services.coordinator.runs import Run, RunManager
+
+
+def test_rewind_drops_what_came_after_the_checkpoint_and_keeps_its_buffer_in_flight():
+    ledger = Ledger()
+    ledger.generate(64)
+    ledger.train(24)
+    ledger.drop("zero_advantage", 8)
+    checkpoint = Ledger.from_dict(ledger.to_dict())  # 32 in flight: the checkpoint's buffered groups
+    ledger.generate(32)
+    ledger.train(28)
+    ledger.drop("stale", 4)
+    ledger.drop("zero_advantage", 4)
+    after, changes = ledger.rewind(checkpoint)
+    assert (after.generated, after.trained, after.in_flight) == (96, 24, 32)
+    assert after.dropped == Counter({"zero_advantage": 8, "recovered": 32})
+    assert changes == {"dropped/recovered": 32.0, "dropped/stale": -4.0, "dropped/zero_advantage": -4.0,
+                       "trained": -28.0}
+    # The changes are exactly the difference: announcing them keeps event sums equal to the ledger.
+    for reason in set(after.dropped) | set(ledger.dropped):
+        assert after.dropped[reason] - ledger.dropped[reason] == changes.get(f"dropped/{reason}", 0.0)
+    # A second loss before the next checkpoint rewinds to the same checkpoint again.
+    after.generate(32)
+    after.train(60)
+    again, changes = after.rewind(checkpoint)
+    assert again.dropped["recovered"] == 64 and again.trained == 24 and again.in_flight == 32
+    assert changes == {"dropped/recovered": 32.0, "trained": -60.0}
+    with pytest.raises(ValueError):
+        checkpoint.rewind(again)  # a checkpoint ahead of the run is a bug, not a rewind
+
+
+def test_recovery_budget_counts_recoveries_in_a_row():
+    budget = RecoveryBudget(2)
+    assert budget.spend() and budget.spend() and not budget.spend()
+    budget.refill()
+    assert budget.spend()
+
+
+def test_error_summary_shows_the_first_messages_and_counts_the_rest():
+    messages = ["A"] * 3 + ["B"] + [f"C{i}" for i in range(5)]
+    assert summarize_errors(messages, 2) == "A (x3); B; 5 other messages (5 errors) not shown"
+    assert summarize_errors(["A", "A"], 3) == "A (x2)"
+
+
+def test_rewind_keeps_each_step_once_in_metrics_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rec = Recorder(tmp_path, tensorboard=True)
+    for step in range(0, 5):
+        rec.metrics(step, {"reward/mean": float(step)})
+    rec.rewind(2)  # resumed from the checkpoint of step 2: steps 3 and 4 are redone
+    for step in range(3, 6):
+        rec.metrics(step, {"reward/mean": 10.0 + step})
+    rec.close()
+    assert [(r["step"], r["reward/mean"]) for r in rec.read("metrics.jsonl")] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    tb = EventAccumulator(str(tmp_path / "tensorboard"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("reward/mean")] == [
+        (0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+
+
+def _left_running(runs_dir, run_id: str, state: str = "running", **spec) -> Run:
+    run_dir = runs_dir / run_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "spec.yaml").write_text(spec_to_yaml(RunSpec.model_validate(spec)))
+    run = Run(run_id, RunSpec.model_validate(spec), run_dir)
+    run.set_state(pb.RUN_STATE_RUNNING)
+    run.ledger.generate(40)
+    run.ledger.train(8)
+    run.emit(pb.EVENT_KIND_STEP, "step 1/3", {"reward/mean": 0.5}, step=1)
+    run.state = {"running": pb.RUN_STATE_RUNNING, "cancelling": pb.RUN_STATE_CANCELLING}[state]
+    run.save()
+    return run
+
+
+async def _no_preflight(spec: RunSpec) -> None:
+    pass
+
+
+def _manager(tmp_path, body=None, check=None, resume_on_restart: bool = True) -> RunManager:
+    return RunManager(tmp_path, body, check, _no_preflight, preflight_timeout_s=5,
+                      resume_on_restart=resume_on_restart)
+
+
+def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_path):
+    earlier = _left_running(tmp_path, "r1")
+    resumed: list[tuple[str, str]] = []
+
+    async def body(run: Run) -> None:
+        resumed.append((run.run_id, run.resume_reason))
+
+    async def scenario() -> RunManager:
+        manager = _manager(tmp_path, body, resume_on_restart=True)
+        run = manager.get("r1")
+        # What the earlier coordinator announced is there, unchanged, and new events continue the sequence.
+        assert [(ev.sequence, ev.kind, ev.message) for ev in run.events[:len(earlier.events)]] == [
+            (ev.sequence, ev.kind, ev.message) for ev in earlier.events]
+        assert run.ledger.to_dict() == earlier.ledger.to_dict()
+        await run.task
+        return manager
+
+    manager = asyncio.run(scenario())
+    run = manager.get("r1")
+    assert resumed == [("r1", "the coordinator restarted while the run was running")]
+    assert run.state == pb.RUN_STATE_SUCCEEDED
+    assert [ev.sequence for ev in run.events] == list(range(len(run.events)))
+    on_disk = [json.loads(line) for line in (tmp_path / "r1" / "events.jsonl").read_text().splitlines()]
+    assert [r["seq"] for r in on_disk] == list(range(len(run.events)))
+
+
+@pytest.mark.parametrize("resume_on_restart, auto_resume", [(False, True), (True, False)])
+def test_runs_left_running_fail_with_the_resume_command_when_resuming_is_off(tmp_path, resume_on_restart,
+                                                                             auto_resume):
+    _left_running(tmp_path, "r2", checkpointing={"auto_resume": auto_resume})
+    manager = _manager(tmp_path, resume_on_restart=resume_on_restart)
+    run = manager.get("r2")
+    assert run.state == pb.RUN_STATE_FAILED
+    assert run.error.startswith("the coordinator stopped while the run was running (")
+    assert "rlserve submit --resume r2" in run.error
+    assert run.ledger.dropped == Counter({"failed": 32}) and run.ledger.balanced()
+
+
+def test_a_run_left_cancelling_ends_cancelled_with_its_trajectories_counted(tmp_path):
+    _left_running(tmp_path, "r3", state="cancelling")
+    run = _manager(tmp_path).get("r3")
+    assert run.state == pb.RUN_STATE_CANCELLED
+    assert run.ledger.dropped == Counter({"cancelled": 32}) and run.ledger.balanced()
+    assert run.events[-2].kind == pb.EVENT_KIND_DROPPED and run.events[-2].metrics["dropped/cancelled"] == 32
+
+
+def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
+    started: list[str] = []
+
+    async def body(run: Run) -> None:
+        started.append(run.run_id)
+        run.ledger.generate(16)
+        await asyncio.sleep(3600)
+
+    async def check(spec: RunSpec) -> RunSpec:
+        return spec
+
+    async def scenario() -> None:
+        manager = _manager(tmp_path, body, check)
+        a = await manager.submit(spec_to_yaml(RunSpec()), "a", resume=False)
+        b = await manager.submit(spec_to_yaml(RunSpec()), "b", resume=False)
+        await asyncio.sleep(0.01)
+        assert (a.state, b.state, started) == (pb.RUN_STATE_RUNNING, pb.RUN_STATE_QUEUED, ["a"])
+        assert manager.cancel("a").state == pb.RUN_STATE_CANCELLING
+        await asyncio.gather(a.task, return_exceptions=True)
+        assert a.state == pb.RUN_STATE_CANCELLED and a.error == "by CancelRun at step 0"
+        assert a.ledger.dropped == Counter({"cancelled": 16}) and a.ledger.balanced()
+        await asyncio.sleep(0.01)
+        assert b.state == pb.RUN_STATE_RUNNING and started == ["a", "b"]
+        await manager.shutdown()  # the coordinator going away leaves b as it is, to be resumed
+        assert b.state == pb.RUN_STATE_RUNNING
+        assert json.loads((tmp_path / "b" / "run.json").read_text())["state"] == "running"
+
+    asyncio.run(scenario())
