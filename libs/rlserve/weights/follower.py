@@ -194,6 +194,9 @@ class WeightFollower:
                 raise failed_precondition(f"version {version} is not the newest publication ({have})")
             if pub.publish_id == self.publish_id:
                 return None
+            if (pub.run_id, pub.version) == (self.run_id, self.version):
+                self.publish_id = pub.publish_id  # it came directly
+                return None
             return await self._apply(pub, in_flight)
 
     async def publish_folder(self, path: Path, version: int, force: bool, in_flight: bool) -> None:
