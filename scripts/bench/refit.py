@@ -43,8 +43,9 @@ def bench_cluster(root: Path, preset: str, port_base: int):
     from rlserve.cluster.config import load_cluster_file
     from rlserve.cluster.lifecycle import Cluster
 
+    # The gateway serves the learner and rollout services to the admin token (internal RPCs, exposed here).
     data = {"name": f"bench-refit-{preset}", "ray_port": port_base, "grpc_port": port_base + 10,
-            "http_port": port_base + 11, "num_cpus": 4, "object_store_memory_mb": 2048,
+            "expose_internal": True, "num_cpus": 4, "object_store_memory_mb": 2048,
             "runs_dir": str(root / "runs"),
             "services": {"rollout": {"replicas": REPLICAS, "num_cpus": 0.5,
                                      "args": {"engine": "vllm", "model": f"preset:{preset}", "max_model_len": 128}},
@@ -110,7 +111,8 @@ def main() -> None:
     import grpc
     import yaml
 
-    from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, serve_config, start_head
+    from rlserve.cluster.lifecycle import _serve_start, connect, deploy, down, prepare_auth, serve_config, start_head
+    from rlserve.security.tokens import read_tokens
     from rlserve.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
@@ -121,13 +123,15 @@ def main() -> None:
         try:
             connect(cluster)
             config = serve_config(cluster.cfg, cluster.runs_dir)
-            config["applications"] = [a for a in config["applications"] if a["name"] in ("rollout", "learner")]
+            config["applications"] = [a for a in config["applications"] if a["name"] in ("rollout", "learner", "gateway")]
+            prepare_auth(cluster)
             _serve_start(cluster, config)
             deploy(cluster, config)
             channel = grpc.insecure_channel(cluster.grpc_endpoint)
             learner = learner_pb2_grpc.LearnerStub(channel)
             rollout = rollout_pb2_grpc.RolloutStub(channel)
-            md = {"learner": (("application", "learner"),), "rollout": (("application", "rollout"),)}
+            admin = (("authorization", f"Bearer {read_tokens(cluster.token_files[1])[0]}"),)
+            md = {"learner": admin, "rollout": admin}
             spec = yaml.safe_dump({"policy": {"model_name": f"preset:{preset}", "refit_buffer_size_mb": BUCKET_MB,
                                               "max_total_sequence_length": 16}})
             info = learner.Configure(learner_pb2.ConfigureRequest(run_id=RUN, spec_yaml=spec), metadata=md["learner"])

@@ -2,7 +2,9 @@
 
 Generation and weight loads take turns under one lock, so every sample comes
 from exactly one weight version whatever the caller asks (`in_flight` cannot
-apply to a batch that holds the engine until it is done). This is the
+apply to a batch that holds the engine until it is done). A cancelled caller
+keeps the lock until its thread is done (`in_thread_to_the_end`): the engine
+is not re-entrant. This is the
 transformers engine's simple path; vLLM's engine serves concurrently instead.
 """
 
@@ -24,6 +26,7 @@ from rlserve.rollout.interfaces import (
     SamplingSpec,
     VersionRun,
 )
+from rlserve.threads import in_thread_to_the_end
 
 
 class Serialized(RolloutEngine):
@@ -43,7 +46,7 @@ class Serialized(RolloutEngine):
             version = self._version
             self._activity.request_started()
             try:
-                out = await asyncio.to_thread(self.engine.generate, prompts, n, sampling)
+                out = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling)
             finally:
                 self._activity.request_finished()
         return [[replace(s, version_runs=(VersionRun(version, 0, len(s.token_ids)),)) for s in group]
@@ -51,12 +54,12 @@ class Serialized(RolloutEngine):
 
     async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, in_flight: bool) -> None:
         async with self._lock:
-            await asyncio.to_thread(self.engine.load_weights, named_tensors)
+            await in_thread_to_the_end(self.engine.load_weights, named_tensors)
             self._version = version
 
     async def load_weights_from_path(self, path: Path, version: int, in_flight: bool) -> None:
         async with self._lock:
-            await asyncio.to_thread(self.engine.load_weights_from_path, path)
+            await in_thread_to_the_end(self.engine.load_weights_from_path, path)
             self._version = version
 
     def stats(self) -> EngineStats:

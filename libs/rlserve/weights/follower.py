@@ -177,10 +177,17 @@ class WeightFollower:
     async def sync(self, min_version: int) -> None:
         """Before a request that needs `min_version`: catch up from the store if this replica is behind.
 
-        The load is shielded: a caller that gives up must not stop it between pause and resume.
+        The load is shielded: a caller that gives up must not stop it between pause and resume. A
+        publication that cannot be loaded (its buckets died with the learner session that put them)
+        leaves this replica behind: the caller sees that and answers ABORTED, since only a new
+        publication (the run's recovery) can help.
         """
         if self.version < min_version:
-            await asyncio.shield(self._catch_up())
+            try:
+                await asyncio.shield(self._catch_up())
+            except RpcError as err:
+                event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id,
+                      error=err.message)
 
     async def update_to(self, version: int, in_flight: bool) -> Applied | None:
         """Load `version`, which must be the newest publication; None when it is already loaded."""
