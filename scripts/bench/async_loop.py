@@ -31,7 +31,9 @@ SPEC = {
              "async_grpo": {"enabled": True}},
     "reward": {"functions": [{"name": "exact_match", "args": {"partial_credit": True}}]},
     "checkpointing": {"enabled": False},
-    "cluster": {"torch_threads": 2},
+    # Separate CPU shares: the learner trains on one thread, the rollout engine (a Serve replica:
+    # Ray gives it OMP_NUM_THREADS=1) generates on another, so on 2 cores neither starves the other.
+    "cluster": {"torch_threads": 1},
 }
 
 
