@@ -62,10 +62,14 @@ def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
     return seen
 
 
-def wait_until_generating(stub) -> None:
-    """A replica reports requests running (the generation is in the engine)."""
+def wait_until_generating(stub, jobs: list[Background]) -> None:
+    """A replica reports requests running (the generation is in the engine). Serve routes GetInfo to
+    the least busy replica, so `jobs` must keep both replicas busy for this to see it."""
     deadline = time.time() + 60
     while stub.GetInfo(rollout_pb2.GetInfoRequest()).activity.requests_running == 0:
+        if not any(job.is_alive() for job in jobs):
+            jobs[0].get()  # raises its error, if any
+            raise AssertionError("the generation ended before a replica reported it running")
         assert time.time() < deadline, "the generation did not start"
         time.sleep(0.05)
 
@@ -113,25 +117,26 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     assert first.weight_version == 0 and first.receivers == 0  # a session's first version: the store copy only
     wait_for_versions(stub, 0)
 
-    running = Background(long_generate, stub, 16, 5)
-    wait_until_generating(stub)
+    running = [Background(long_generate, stub, 32, seed) for seed in (5, 6)]  # one on each replica
+    wait_until_generating(stub, running)
     exported = train_and_export(learner, 1, in_flight=True).get()
     assert exported.weight_version == 1 and exported.receivers == 2 and not exported.failed
     assert exported.direct_bytes == 2 * exported.num_bytes  # once to each replica, no copy through the store
-    resp = running.get()
+    responses = [job.get() for job in running]
+    assert all(r.weight_version == 0 for r in responses)  # the oldest version in each response
 
-    samples = [s for c in resp.completions for s in c.samples]
+    samples = [s for resp in responses for c in resp.completions for s in c.samples]
     assert all(len(s.token_ids) == TOKENS and s.finish_reason == common_pb2.FINISH_REASON_LENGTH for s in samples)
     runs = [[(r.version, r.start, r.end) for r in s.version_runs] for s in samples]
     mixed = [r for r in runs if len(r) == 2]
     assert mixed, f"the update should land while the samples were generating: {runs[:3]}"
     assert all(r[0][0] == 0 and r[1][0] == 1 and r[0][2] == r[1][1] and r[1][2] == TOKENS for r in mixed)
-    assert resp.weight_version == 0  # the oldest version in the response
 
     # Checkpoints and exports go inside the runs directory (relative paths are taken from there).
     v1 = test_cluster.runs_dir / RUN / "v1"
     learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id=RUN, path=f"{RUN}/ckpt", hf_path=str(v1)))
-    errors = {0: logprob_errors(resp, resolve_model("preset:tiny")), 1: logprob_errors(resp, v1)}
+    errors = {0: [e for r in responses for e in logprob_errors(r, resolve_model("preset:tiny"))],
+              1: [e for r in responses for e in logprob_errors(r, v1)]}
     for k, sample_runs in enumerate(runs):
         for version, start, end in sample_runs:
             assert max(errors[version][k][start:end]) < 1e-4, (k, version, start, end)
@@ -147,7 +152,7 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     # Without in-flight updates each replica finishes its running requests before loading, which
     # holds the transfer at its last step long enough to kill a replica in it.
     running = [Background(long_generate, stub, 32, seed) for seed in (1, 2, 3, 4)]
-    wait_until_generating(stub)
+    wait_until_generating(stub, running)
     export = train_and_export(learner, 2, in_flight=False)
     deadline = time.time() + 120
     while True:
