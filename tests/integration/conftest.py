@@ -25,6 +25,14 @@ import pytest
 import yaml
 
 HERE = Path(__file__).parent
+# Reward plug-ins the test clusters allow-list, by name: (file in reward_plugins/, attribute).
+PLUGINS = {"flaky": ("flaky.py", "reward"), "outage": ("outage.py", "Outage"), "broken": ("broken.py", "reward")}
+
+
+def plugin(name: str) -> str:
+    """The import path of an allow-listed test plug-in."""
+    file, attr = PLUGINS[name]
+    return f"{HERE / 'reward_plugins' / file}:{attr}"
 
 
 class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -59,7 +67,7 @@ class TestCluster:
     # Inside the cluster file's model_dirs and data_dirs: where tests put models and data they name.
     models_dir: Path
     data_dir: Path
-    # An allow-listed reward plug-in file: it raises for the completion '9' and scores 0.5 otherwise.
+    # The allow-listed plug-in reward_plugins/flaky.py: it raises for the completion '9', else scores 0.5.
     plugin: str
 
     def token(self, admin: bool = False) -> str:
@@ -104,11 +112,7 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
                  "data_dirs": [str(root / "data")]})
     (root / "models").mkdir()
     (root / "data").mkdir()
-    plugin = root / "plugins" / "flaky.py"
-    plugin.parent.mkdir()
-    plugin.write_text("def reward(item):\n    if item.completion == '9':\n        raise KeyError('oops')\n"
-                      "    return 0.5\n")
-    data.setdefault("reward", {}).setdefault("allowed_plugins", []).append(f"{plugin}:reward")
+    data.setdefault("reward", {}).setdefault("allowed_plugins", []).extend(plugin(n) for n in PLUGINS)
     cluster_file = root / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(data))
     cfg, runs_dir = load_cluster_file(cluster_file)
@@ -117,7 +121,7 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     up(cluster)
     try:
         yield TestCluster(cluster, cluster.grpc_endpoint, runs_dir, cluster_file, root / "models", root / "data",
-                          f"{plugin}:reward")
+                          plugin("flaky"))
     finally:
         down(cluster)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import grpc
 import pytest
 
 from rlserve.clients.coordinator import CoordinatorClient
@@ -27,9 +26,10 @@ def client(test_cluster):
 
 
 @pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    """The served tiny model (same weights, so the rollout accepts it) as a chat model with two EOS ids."""
-    path = tmp_path_factory.mktemp("chat-model") / "model"
+def chat_model(test_cluster):
+    """The served tiny model (same weights, so the rollout accepts it) as a chat model with two EOS ids,
+    in the cluster's model directory."""
+    path = test_cluster.models_dir / "chat-model"
     shutil.copytree(resolve_model("preset:tiny"), path)
     for name in ("config.json", "generation_config.json"):
         config = json.loads((path / name).read_text())
@@ -52,8 +52,10 @@ def test_a_chat_model_with_several_eos_ids_runs(client, chat_model):
     assert json.load(open(f"{final}/generation_config.json"))["eos_token_id"] == [2, 3]
 
 
-def test_chat_format_without_a_template_is_refused_at_submit(client):
-    with pytest.raises(grpc.RpcError) as err:
-        client.submit(spec(data__prompt_format="chat"))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "data.prompt_format" in err.value.details()
+def test_chat_format_without_a_template_fails_in_preflight(client):
+    """The check needs the model's tokenizer, so it runs off the request path, before the run takes the learner."""
+    run = client.submit(spec(data__prompt_format="chat"))
+    events_until_end(client, run.run_id)
+    run = client.get(run.run_id)
+    assert run.state == pb.RUN_STATE_FAILED and run.step == 0 and run.ledger.generated == 0
+    assert run.error.startswith("preflight: FAILED_PRECONDITION:") and "data.prompt_format" in run.error

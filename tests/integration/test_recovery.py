@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
+from tests.integration.conftest import plugin
 from tests.integration.runs_support import (
     assert_records_agree,
     events_until_end,
@@ -90,31 +91,13 @@ def test_learner_worker_killed_mid_run_recovers_by_itself(client):
           f"{final.ledger.dropped['recovered']}; in flight at the end {final.ledger.in_flight}")
 
 
-OUTAGE = '''
-from rlserve.rewards.builtins import ExactMatch
 
 
-class Outage:
-    """Partial-credit exact match that raises on the items numbered [fail_from, fail_until) it sees."""
-
-    def __init__(self, fail_from: int, fail_until: int):
-        self.inner, self.seen, self.window = ExactMatch(partial_credit=True), 0, range(fail_from, fail_until)
-
-    def __call__(self, item):
-        n, self.seen = self.seen, self.seen + 1
-        if n in self.window:
-            raise RuntimeError(f"scheduled outage at item {n}")
-        return self.inner(item)
-'''
-
-
-def test_a_reward_plugin_failing_for_two_steps_costs_those_steps_only(client, tmp_path):
-    plugin = tmp_path / "outage.py"
-    plugin.write_text(OUTAGE)
+def test_a_reward_plugin_failing_for_two_steps_costs_those_steps_only(client):
     # 8 prompts x 4 samples: items 32..95 are steps 2 and 3 (sync, no validation).
     run = client.submit(spec(grpo__max_num_steps=6, grpo__val_period=0, grpo__val_at_start=False,
                              checkpointing__enabled=False, reward__functions=[{
-                                 "name": "outage", "import_path": f"{plugin}:Outage",
+                                 "name": "outage", "import_path": plugin("outage"),
                                  "args": {"fail_from": 32, "fail_until": 96}}]))
     events = events_until_end(client, run.run_id)
     final = client.get(run.run_id)
@@ -136,12 +119,10 @@ def test_a_reward_plugin_failing_for_two_steps_costs_those_steps_only(client, tm
     assert_records_agree(final, events)
 
 
-def test_a_run_whose_rewards_always_fail_ends_failed_saying_why(client, tmp_path):
-    plugin = tmp_path / "broken.py"
-    plugin.write_text("def reward(item):\n    raise ValueError('the grader is broken')\n")
+def test_a_run_whose_rewards_always_fail_ends_failed_saying_why(client):
     run = client.submit(spec(grpo__max_num_steps=2, grpo__val_period=1, grpo__val_at_start=False,
                              checkpointing__enabled=False,
-                             reward__functions=[{"name": "broken", "import_path": f"{plugin}:reward"}]))
+                             reward__functions=[{"name": "broken", "import_path": plugin("broken")}]))
     events = events_until_end(client, run.run_id)
     final = client.get(run.run_id)
     assert final.state == pb.RUN_STATE_FAILED

@@ -116,8 +116,10 @@ def test_internal_services_are_admin_only_when_exposed(test_cluster, plain):
 def default_tls_gateway(test_cluster, tmp_path_factory):
     """A second gateway in the same cluster with the cluster file's defaults (internal services not
     exposed) and TLS on, with a certificate made here; removed afterwards."""
+    from rlserve.cluster.lifecycle import connect
     from services.gateway.app import build
 
+    connect(test_cluster.cluster)  # a test with a cluster of its own may have attached this process elsewhere
     cert, key = self_signed(tmp_path_factory.mktemp("tls"))
     files = test_cluster.cluster.token_files
     port = free_port()
@@ -254,7 +256,7 @@ def test_unknown_rpcs_and_undecodable_requests(test_cluster, plain):
 def test_resume_is_confined_to_runs_that_may_continue(test_cluster):
     with CoordinatorClient(test_cluster.endpoint) as client:
         one_step = spec(grpo__max_num_steps=1, grpo__val_period=0, checkpointing__enabled=False,
-                        reward__functions=[{"name": "exact_match"}, {
+                        reward__functions=[{"name": "exact_match", "args": {"partial_credit": True}}, {
                             "name": "short", "import_path": "rlserve.rewards.builtins:LengthPenalty",
                             "weight": 0.1}])
         run = client.submit(one_step, run_id="itest-extend")
