@@ -105,3 +105,12 @@ def test_a_samples_age_is_that_of_its_oldest_version():
         rollout_pb2.Sample(token_ids=[1], version_runs=[run(version=5, start=0, end=1)])])
     assert sample_versions(completion, default=9) == (4, 1, 1)
     assert sample_versions(rollout_pb2.Completion(samples=[rollout_pb2.Sample(token_ids=[1])]), default=9) == (9, 0, 0)
+
+
+def test_engine_idle_fraction_counts_replicas_seen_at_both_marks():
+    ctx = SimpleNamespace(engine_activity={"a": (10.0, 2.0)}, activity_mark={})
+    assert loop.engine_idle(ctx) == {}  # nothing to compare with yet
+    ctx.engine_activity = {"a": (20.0, 3.0), "b": (5.0, 5.0)}
+    assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.1}  # b is new: not counted
+    ctx.engine_activity = {"a": (30.0, 3.0), "b": (15.0, 15.0)}
+    assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.5}
