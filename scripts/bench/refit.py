@@ -133,7 +133,8 @@ def main() -> None:
             admin = (("authorization", f"Bearer {read_tokens(cluster.token_files[1])[0]}"),)
             md = {"learner": admin, "rollout": admin}
             spec = yaml.safe_dump({"policy": {"model_name": f"preset:{preset}", "refit_buffer_size_mb": BUCKET_MB,
-                                              "max_total_sequence_length": 16}})
+                                              "max_total_sequence_length": 16,
+                                              "generation": {"max_new_tokens": 8}}})
             info = learner.Configure(learner_pb2.ConfigureRequest(run_id=RUN, spec_yaml=spec), metadata=md["learner"])
             pid = learner_worker_pid()
             batch = [learner_pb2.TrainSequence(token_ids=[5, 6, 7, 8, 9, 10], prompt_length=3)] * 2
