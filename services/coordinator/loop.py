@@ -76,12 +76,14 @@ def commit(ctx: Context, step: int, groups: list[Group], reward_version: str, ti
 
 
 async def produce_streaming(ctx: Context) -> None:
-    """One request per prompt, at most `max_prompts_in_flight` at once; step k + 1's prompts go out as
-    soon as the bound allows, while step k's last groups still generate. Each group is scored as soon
-    as its samples finish; a step is committed (counted and queued) once all its groups are in, in
-    step order, so checkpoints and the data cursor stay per step."""
+    """Requests of `prompts_per_request` prompts, at most `max_prompts_in_flight` prompts at once; step
+    k + 1's prompts go out as soon as the bound allows, while step k's last groups still generate. Each
+    request's groups are scored as soon as its samples finish; a step is committed (counted and
+    queued) once all its groups are in, in step order, so checkpoints and the data cursor stay per
+    step."""
     spec = ctx.spec
-    limit = asyncio.Semaphore(spec.grpo.async_grpo.max_prompts_in_flight)
+    per_request = spec.grpo.async_grpo.prompts_per_request
+    limit = asyncio.Semaphore(max(1, spec.grpo.async_grpo.max_prompts_in_flight // per_request))
 
     async def one(examples: list[Example], first: int, step: int, offset: int):
         async with limit:
@@ -89,7 +91,8 @@ async def produce_streaming(ctx: Context) -> None:
                                         ctx.run.version, str(ctx.init_model), offset=offset)
 
     async def stream_step(step: int, examples: list[Example], first: int, before: asyncio.Task | None) -> None:
-        parts = await asyncio.gather(*(one([ex], first, step, i) for i, ex in enumerate(examples)))
+        parts = await asyncio.gather(*(one(examples[i:i + per_request], first, step, i)
+                                       for i in range(0, len(examples), per_request)))
         if before is not None:
             await before
         timings = BatchTimings()

@@ -206,12 +206,14 @@ class AsyncGrpoCfg(Section):
     # sample may then span versions, its logprobs those it was sampled with. Off: running requests
     # finish on the old weights before the update, so every sample comes from one version.
     in_flight_weight_updates: bool = False
-    # Streaming: one request per prompt, each group scored as soon as its samples finish, and the
-    # next step's prompts submitted while the current step's last groups still generate (within
-    # the staleness bound). Off: one request per step.
+    # Streaming: small requests (`prompts_per_request` prompts), each scored as soon as its samples
+    # finish, and the next step's prompts submitted while the current step's last groups still
+    # generate (within the staleness bound). Off: one request per step.
     streaming: bool = False
     # Prompts generating at once when streaming.
     max_prompts_in_flight: int = Field(64, ge=1, le=MAX_PROMPTS_PER_STEP)
+    # Prompts per request when streaming (1: every group on its own; larger: fewer calls).
+    prompts_per_request: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
 
 
 class GrpoCfg(Section):

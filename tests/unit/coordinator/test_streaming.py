@@ -1,4 +1,4 @@
-"""Streaming production: one request per prompt, bounded concurrency, steps committed whole and in order,
+"""Streaming production: small requests, bounded concurrency, steps committed whole and in order,
 the next step's prompts out while the current step's tail still generates; per-sample version runs."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from services.coordinator.staleness import StalenessBound
 PROMPTS_PER_STEP, STEPS, LIMIT = 4, 3, 3
 
 
-def context(max_age: int) -> SimpleNamespace:
+def context(max_age: int, per_request: int = 1) -> SimpleNamespace:
     spec = RunSpec.model_validate({"grpo": {
         "num_prompts_per_step": PROMPTS_PER_STEP, "max_num_steps": STEPS,
         "async_grpo": {"enabled": True, "max_trajectory_age_steps": max_age, "streaming": True,
-                       "max_prompts_in_flight": LIMIT}}})
+                       "max_prompts_in_flight": LIMIT, "prompts_per_request": per_request}}})
     run = SimpleNamespace(run_id="r", version=0, ledger=Ledger(), save=lambda: None)
     return SimpleNamespace(
         spec=spec, calls=None, run=run, tok=None, init_model="m", queue=GroupQueue(), timings={},
@@ -38,18 +38,18 @@ def context(max_age: int) -> SimpleNamespace:
 @pytest.fixture
 def requests(monkeypatch):
     """A fake rollout: each request takes a random time; records (step, offset) and the concurrency."""
-    seen = SimpleNamespace(calls=[], running=0, peak=0)
+    seen = SimpleNamespace(calls=[], sizes=[], running=0, peak=0)
 
     async def fake(calls, spec, run_id, tok, examples, first_index, step, min_version, reference_model, offset=0):
-        assert len(examples) == 1
         seen.calls.append((step, offset))
+        seen.sizes.append(len(examples))
         seen.running += 1
         seen.peak = max(seen.peak, seen.running)
         await asyncio.sleep(random.Random(step * 10 + offset).uniform(0, 0.02))
         seen.running -= 1
-        group = Group(prompt_index=first_index, prompt_ids=[1], completions=[[2]], gen_logprobs=[[-1.0]],
-                      rewards=[1.0], weight_version=min_version, step=step)
-        return [group], "v1", BatchTimings(generate_s=1.0, activity={"a": (float(step), 0.0)})
+        groups = [Group(prompt_index=first_index + i, prompt_ids=[1], completions=[[2]], gen_logprobs=[[-1.0]],
+                        rewards=[1.0], weight_version=min_version, step=step) for i in range(len(examples))]
+        return groups, "v1", BatchTimings(generate_s=1.0, activity={"a": (float(step), 0.0)})
 
     monkeypatch.setattr(loop, "rollout_groups", fake)
     return seen
@@ -114,3 +114,11 @@ def test_engine_idle_fraction_counts_replicas_seen_at_both_marks():
     assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.1}  # b is new: not counted
     ctx.engine_activity = {"a": (30.0, 3.0), "b": (15.0, 15.0)}
     assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.5}
+
+
+def test_requests_carry_several_prompts_at_their_offsets(requests):
+    ctx = context(max_age=STEPS, per_request=3)
+    asyncio.run(loop.produce_streaming(ctx))
+    assert sorted(requests.calls) == [(s, i) for s in range(STEPS) for i in (0, 3)] and sorted(requests.sizes) == \
+        [1] * STEPS + [3] * STEPS
+    assert [g.prompt_index for g in ctx.queue.snapshot()] == list(range(STEPS * PROMPTS_PER_STEP))
