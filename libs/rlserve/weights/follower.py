@@ -175,14 +175,18 @@ class WeightFollower:
             await self._apply(pub, pub.in_flight)
 
     async def sync(self, min_version: int) -> None:
-        """Before a request that needs `min_version`: catch up from the store if this replica is behind.
+        """Before a request: catch up from the store if this replica is behind it (a newer publication
+        than it holds, whatever the version numbers: a new run starts again at version 0) or serves an
+        older version than the request needs. The store's notice of each publication does the same,
+        but it may arrive after the request.
 
         The load is shielded: a caller that gives up must not stop it between pause and resume. A
         publication that cannot be loaded (its buckets died with the learner session that put them)
         leaves this replica behind: the caller sees that and answers ABORTED, since only a new
         publication (the run's recovery) can help.
         """
-        if self.version < min_version:
+        head = await self.store.head.remote()
+        if (head is not None and head[0] > self.publish_id) or self.version < min_version:
             try:
                 await asyncio.shield(self._catch_up())
             except RpcError as err:
