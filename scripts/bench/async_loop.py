@@ -1,9 +1,12 @@
-"""Async-loop benchmark: the same run with grpo.async_grpo.max_trajectory_age_steps 0 vs 1 vs 2,
-in one run on one local cluster. Reports wall-clock per step and trajectories/s as ratios to the
-synchronous baseline, and how much of a step went to service plumbing (RPC, serialization, the
-object store) rather than compute. Prints a table and writes bench-results/async_loop.json.
+"""Async-loop benchmark: the same run synchronous (max age 0), step-level async (one request per
+step, updates wait for running requests) and streaming with in-flight weight updates (one request
+per prompt, updates land in running requests), at max ages 1 and 2, in one run on one local
+cluster. Reports wall-clock per step and trajectories/s as ratios to the synchronous baseline, the
+rollout engines' idle fraction, samples spanning versions, and how much of a step went to service
+plumbing (RPC, serialization, the object store) rather than compute. Prints a table and writes
+bench-results/async_loop.json.
 
-    .venv/bin/python scripts/bench/async_loop.py [--steps 12]
+    .venv/bin/python scripts/bench/async_loop.py [--steps 12] [--modes sync async-1 stream-1 ...]
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ SPEC = {
              "async_grpo": {"enabled": True}},
     "reward": {"functions": [{"name": "exact_match", "args": {"partial_credit": True}}]},
     "checkpointing": {"enabled": False},
-    "cluster": {"torch_threads": 2},
+    # Separate CPU shares: the learner trains on one thread, the rollout engine (a Serve replica:
+    # Ray gives it OMP_NUM_THREADS=1) generates on another, so on 2 cores neither starves the other.
+    "cluster": {"torch_threads": 1},
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--ages", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", default=["sync", "async-1", "stream-1", "async-2", "stream-2"],
+                        help="sync, async-AGE (step-level) or stream-AGE (streaming + in-flight updates)")
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be at least 4: the first 2 steps (engine warm-up) are not timed")
@@ -57,10 +63,15 @@ def main() -> None:
     rows = []
     try:
         with CoordinatorClient(cluster.grpc_endpoint) as client:
-            for age in args.ages:
+            for mode in args.modes:
+                kind, _, age = mode.partition("-")
+                if kind not in ("sync", "async", "stream"):
+                    parser.error(f"unknown mode {mode!r}")
+                stream = kind == "stream"
                 spec = json.loads(json.dumps(SPEC))
                 spec["grpo"]["max_num_steps"] = args.steps
-                spec["grpo"]["async_grpo"]["max_trajectory_age_steps"] = age
+                spec["grpo"]["async_grpo"].update({"max_trajectory_age_steps": int(age or 0), "streaming": stream,
+                                                   "in_flight_weight_updates": stream})
                 run = client.submit(yaml.safe_dump(spec))
                 steps = [dict(ev.metrics) for ev in client.watch(run.run_id) if ev.kind == pb.EVENT_KIND_STEP]
                 final = client.get(run.run_id)
@@ -71,10 +82,13 @@ def main() -> None:
                     sum(m.get(k, 0.0) for k in ("timing/generate_s", "timing/reward_s", "timing/train_s",
                                                 "timing/weight_sync_s")) for m in timed)
                 plumbing = statistics.median(sum(v for k, v in m.items() if k.startswith("plumbing/")) for m in timed)
-                rows.append({"max_age": age, "step_s": step_s,
+                idle = [m["engine/idle_fraction"] for m in timed if "engine/idle_fraction" in m]
+                rows.append({"mode": mode, "step_s": step_s,
                              "trajectories_per_s": 64 * 8 / step_s,
+                             "engine_idle": statistics.median(idle) if idle else float("nan"),
                              "staleness_mean": statistics.mean(m["batch/staleness_mean"] for m in timed),
-                             "generate_s": statistics.median(m["timing/generate_s"] for m in timed),
+                             "mixed_samples": statistics.mean(m["batch/mixed_version_samples"] for m in timed),
+                             "weight_sync_s": statistics.median(m["timing/weight_sync_s"] for m in timed),
                              "train_s": statistics.median(m["timing/train_s"] for m in timed),
                              "plumbing_s": plumbing, "plumbing_share_of_work": plumbing / compute})
     finally:
@@ -82,8 +96,8 @@ def main() -> None:
     base = rows[0]["step_s"]
     for r in rows:
         r["speedup_vs_sync"] = base / r["step_s"]
-    print(table(rows, ["max_age", "step_s", "speedup_vs_sync", "trajectories_per_s", "staleness_mean",
-                       "generate_s", "train_s", "plumbing_s", "plumbing_share_of_work"]))
+    print(table(rows, ["mode", "step_s", "speedup_vs_sync", "trajectories_per_s", "engine_idle", "staleness_mean",
+                       "mixed_samples", "weight_sync_s", "train_s", "plumbing_s", "plumbing_share_of_work"]))
     print("wrote", record("async_loop", rows, {"steps": args.steps, "prompts": 64, "samples": 8}))
 
 

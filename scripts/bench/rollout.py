@@ -10,6 +10,7 @@ For the `tiny` and `small` presets. Prints a table and writes bench-results/roll
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import sys
@@ -94,7 +95,19 @@ def main() -> None:
             channel = grpc.insecure_channel(cluster.grpc_endpoint)
             stub = rollout_pb2_grpc.RolloutStub(channel)
             md = (("authorization", f"Bearer {read_tokens(cluster.token_files[1])[0]}"),)
-            engines = {name: make_engine(name, cfg) for name in ("vllm", "transformers")}
+            # The engines are async (vLLM's AsyncLLM belongs to the loop it starts on): one loop drives both.
+            loop = asyncio.new_event_loop()
+
+            async def start():
+                return {name: make_engine(name, cfg) for name in ("vllm", "transformers")}
+
+            engines = loop.run_until_complete(start())
+
+            def direct(name: str):
+                def run():
+                    out = loop.run_until_complete(engines[name].generate(ids, SAMPLES, sampling))
+                    return sum(len(s.token_ids) for ss in out for s in ss), None
+                return run
 
             def served(call):
                 def run():
@@ -103,10 +116,8 @@ def main() -> None:
                 return run
 
             paths = {
-                "vllm": lambda: (sum(len(s.token_ids) for ss in engines["vllm"].generate(ids, SAMPLES, sampling)
-                                     for s in ss), None),
-                "transformers": lambda: (sum(len(s.token_ids) for ss in engines["transformers"].generate(
-                    ids, SAMPLES, sampling) for s in ss), None),
+                "vllm": direct("vllm"),
+                "transformers": direct("transformers"),
                 "service (gateway gRPC)": served(lambda: stub.Generate(request, metadata=md)),
                 "service (handle)": served(lambda: handle.Generate.remote(request).result()),
             }
@@ -118,6 +129,8 @@ def main() -> None:
                     seconds, (tokens, engine_s) = timed(fn, 1, warmup=0)
                     samples[name].append((seconds, tokens, engine_s))
             channel.close()
+            loop.run_until_complete(engines["vllm"].close())
+            loop.close()
             del engines
         finally:
             down(cluster)

@@ -23,12 +23,16 @@ class Group:
     completions: list[list[int]]
     gen_logprobs: list[list[float]]
     rewards: list[float]
-    weight_version: int
+    weight_version: int  # the oldest version any token of the group was generated under
     step: int  # the training step it was generated for
     ref_logprobs: list[list[float]] | None = None
     # The reward plug-ins' messages for the samples they failed to score (a group with any is dropped).
     reward_errors: list[str] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
+    # Samples generated under more than one version (an in-flight update landed while they ran),
+    # and the largest newest-minus-oldest version of any sample.
+    mixed_samples: int = 0
+    version_spread: int = 0
 
     @property
     def size(self) -> int:

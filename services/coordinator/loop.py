@@ -24,13 +24,14 @@ import ray
 import torch
 
 from rlserve.algorithms.advantages import group_advantages, zero_variance_groups
+from rlserve.data.tasks import Example
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
 from services.coordinator import checkpoints
 from services.coordinator.context import Context
 from services.coordinator.groups import Group, summarize_errors
-from services.coordinator.rollouts import rollout_groups
+from services.coordinator.rollouts import BatchTimings, rollout_groups
 from services.coordinator.sft import sft_warm_start
 from services.coordinator.sync import sync_weights
 from services.coordinator.validation import validate
@@ -45,6 +46,9 @@ ERROR_MESSAGES_PER_STEP = 3
 
 async def produce(ctx: Context) -> None:
     """Generate each step's groups as soon as the staleness bound allows."""
+    if ctx.spec.grpo.async_grpo.streaming:
+        await produce_streaming(ctx)
+        return
     spec = ctx.spec
     while ctx.produced_steps < spec.grpo.max_num_steps:
         step = ctx.produced_steps
@@ -54,16 +58,79 @@ async def produce(ctx: Context) -> None:
         examples = ctx.sampler.take(spec.grpo.num_prompts_per_step)
         groups, reward_version, timings = await rollout_groups(
             ctx.calls, spec, ctx.run.run_id, ctx.tok, examples, first, step, ctx.run.version, str(ctx.init_model))
-        # Counted and queued with nothing awaited in between, so a checkpoint sees both or neither.
-        ctx.run.ledger.generate(sum(g.size for g in groups))
-        if ctx.reward_version is not None and reward_version != ctx.reward_version:
-            ctx.emit(pb.EVENT_KIND_REWARD_SWAP, f"reward service changed: {ctx.reward_version} -> {reward_version}")
-        ctx.reward_version = reward_version
-        ctx.timings[step] = timings.metrics()
-        ctx.produced_steps += 1
-        ctx.queue.put(groups)
-        ctx.run.save()
-        ctx.progress()
+        commit(ctx, step, groups, reward_version, timings)
+
+
+def commit(ctx: Context, step: int, groups: list[Group], reward_version: str, timings: BatchTimings) -> None:
+    """Count and queue one step's groups. Synchronous, so a checkpoint sees both or neither."""
+    ctx.run.ledger.generate(sum(g.size for g in groups))
+    if ctx.reward_version is not None and reward_version != ctx.reward_version:
+        ctx.emit(pb.EVENT_KIND_REWARD_SWAP, f"reward service changed: {ctx.reward_version} -> {reward_version}")
+    ctx.reward_version = reward_version
+    ctx.timings[step] = timings.metrics()
+    ctx.engine_activity.update(timings.activity)
+    ctx.produced_steps += 1
+    ctx.queue.put(groups)
+    ctx.run.save()
+    ctx.progress()
+
+
+async def produce_streaming(ctx: Context) -> None:
+    """Requests of `prompts_per_request` prompts, at most `max_prompts_in_flight` prompts at once; step
+    k + 1's prompts go out as soon as the bound allows, while step k's last groups still generate. Each
+    request's groups are scored as soon as its samples finish; a step is committed (counted and
+    queued) once all its groups are in, in step order, so checkpoints and the data cursor stay per
+    step."""
+    spec = ctx.spec
+    per_request = spec.grpo.async_grpo.prompts_per_request
+    limit = asyncio.Semaphore(max(1, spec.grpo.async_grpo.max_prompts_in_flight // per_request))
+
+    async def one(examples: list[Example], first: int, step: int, offset: int):
+        async with limit:
+            return await rollout_groups(ctx.calls, spec, ctx.run.run_id, ctx.tok, examples, first + offset, step,
+                                        ctx.run.version, str(ctx.init_model), offset=offset)
+
+    async def stream_step(step: int, examples: list[Example], first: int, before: asyncio.Task | None) -> None:
+        parts = await asyncio.gather(*(one(examples[i:i + per_request], first, step, i)
+                                       for i in range(0, len(examples), per_request)))
+        if before is not None:
+            await before
+        timings = BatchTimings()
+        for _, _, t in parts:
+            timings.add(t)
+        commit(ctx, step, [g for groups, _, _ in parts for g in groups], parts[-1][1], timings)
+
+    running: list[asyncio.Task] = []
+    try:
+        for step in range(ctx.produced_steps, spec.grpo.max_num_steps):
+            await _wait_for_bound(ctx, step, running)
+            first = ctx.sampler.position
+            examples = ctx.sampler.take(spec.grpo.num_prompts_per_step)
+            running.append(asyncio.create_task(stream_step(step, examples, first, running[-1] if running else None)))
+        for task in running:
+            await task
+    finally:
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+async def _wait_for_bound(ctx: Context, step: int, running: list[asyncio.Task]) -> None:
+    """Wait until step `step` may generate; a failed step in `running` raises at once."""
+    async def bound() -> None:
+        async with ctx.trainer_moved:
+            await ctx.trainer_moved.wait_for(lambda: ctx.staleness.may_generate(step - ctx.trainer_step))
+
+    gate = asyncio.create_task(bound())
+    try:
+        while not gate.done():
+            done, _ = await asyncio.wait([gate, *running], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not gate and task.exception() is not None:
+                    raise task.exception()
+            running[:] = [t for t in running if not t.done()]
+    finally:
+        gate.cancel()
 
 
 # --- trainer ----------------------------------------------------------------------------
@@ -100,6 +167,15 @@ def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
             "reward/max": rewards.max().item()}
 
 
+def engine_idle(ctx: Context) -> dict[str, float]:
+    """The rollout engines' idle share since the previous step (replicas that answered in both)."""
+    seen, before = dict(ctx.engine_activity), ctx.activity_mark
+    ctx.activity_mark = seen
+    up = sum(seen[r][0] - before[r][0] for r in seen if r in before)
+    idle = sum(seen[r][1] - before[r][1] for r in seen if r in before)
+    return {"engine/idle_fraction": idle / up} if up > 0 else {}
+
+
 async def train_step(ctx: Context, step: int) -> dict[str, float]:
     """One GRPO step: take groups -> filter -> advantages -> train -> sync weights."""
     spec = ctx.spec
@@ -119,7 +195,10 @@ async def train_step(ctx: Context, step: int) -> dict[str, float]:
     ages = [ctx.staleness.age(version, g.weight_version) for g in fresh]
     metrics = {**reward_metrics(rewards),
                "batch/staleness_mean": sum(ages) / max(1, len(ages)), "batch/staleness_max": float(max(ages, default=0)),
-               "data/cursor": float(min(g.prompt_index for g in fresh + stale)), "timing/wait_for_rollouts_s": wait_s}
+               "batch/mixed_version_samples": float(sum(g.mixed_samples for g in fresh)),
+               "batch/version_spread_max": float(max((g.version_spread for g in fresh), default=0)),
+               "data/cursor": float(min(g.prompt_index for g in fresh + stale)), "timing/wait_for_rollouts_s": wait_s,
+               **engine_idle(ctx)}
 
     # 2. Group-relative advantages; groups whose samples all scored alike carry no signal.
     keep = torch.ones(len(scored), dtype=torch.bool)

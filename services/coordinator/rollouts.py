@@ -29,6 +29,17 @@ class BatchTimings:
     reference_s: float = 0.0
     reference_compute_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    # The newest activity each rollout replica reported: replica id -> (uptime_s, idle_s).
+    activity: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def add(self, other: BatchTimings) -> None:
+        """Fold in another call's timings (streaming: one per prompt; the sums are call seconds)."""
+        for name in ("generate_s", "generate_engine_s", "score_s", "score_compute_s", "reference_s",
+                     "reference_compute_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for replica, seen in other.activity.items():
+            if seen[0] >= self.activity.get(replica, (-1.0, 0.0))[0]:
+                self.activity[replica] = seen
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -67,7 +78,20 @@ async def generate(calls: ServiceCalls, spec: RunSpec, run_id: str, prompts: lis
     resp = await calls.generate(req)
     timings.generate_s += time.perf_counter() - t0
     timings.generate_engine_s += resp.engine_seconds
+    if resp.replica_id:
+        timings.activity[resp.replica_id] = (resp.activity.uptime_s, resp.activity.idle_s)
     return resp
+
+
+def sample_versions(completion: rollout_pb2.Completion, default: int) -> tuple[int, int, int]:
+    """(oldest version, samples spanning versions, largest newest-minus-oldest) of one prompt's samples."""
+    oldest, mixed, spread = None, 0, 0
+    for s in completion.samples:
+        versions = [r.version for r in s.version_runs] or [default]
+        oldest = min(versions) if oldest is None else min(oldest, *versions)
+        mixed += len(set(versions)) > 1
+        spread = max(spread, max(versions) - min(versions))
+    return (default if oldest is None else oldest), mixed, spread
 
 
 async def score(calls: ServiceCalls, spec: RunSpec, run_id: str, items: list[reward_pb2.ScoreItem],
@@ -89,29 +113,33 @@ def score_items(examples: list[Example], texts: list[list[str]], ids: list[list[
 
 async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: PromptTokenizer,
                          examples: list[Example], first_index: int, step: int, min_version: int,
-                         reference_model: str) -> tuple[list[Group], str, BatchTimings]:
-    """Generate, score and (when the KL needs it) reference-score one step's groups.
+                         reference_model: str, offset: int = 0) -> tuple[list[Group], str, BatchTimings]:
+    """Generate, score and (when the KL needs it) reference-score groups of step `step`.
 
-    Returns the groups, the reward service's version string, and the timings.
+    `examples` start at position `offset` within the step: the engine seeds prompt i of a request
+    with the request's seed + i, so one request per prompt (streaming) samples exactly as one
+    request per step. Returns the groups, the reward service's version string, and the timings.
     """
     timings = BatchTimings()
     n = spec.grpo.num_generations_per_prompt
     prompts = [tok.prompt_ids(ex) for ex in examples]
     gen = await generate(calls, spec, run_id, prompts, tok.eos_ids, n, greedy=False,
-                         seed=spec.grpo.seed * 1_000_003 + step, min_version=min_version, timings=timings)
+                         seed=spec.grpo.seed * 1_000_003 + step + offset, min_version=min_version, timings=timings)
     ids = [[f"{run_id}/{step}/{first_index + i}/{j}" for j in range(n)] for i in range(len(examples))]
     texts = [[s.text for s in c.samples] for c in gen.completions]
     scored = await score(calls, spec, run_id, score_items(examples, texts, ids), timings)
     groups = []
     for i, (ex, completion) in enumerate(zip(examples, gen.completions)):
         results = scored.results[i * n:(i + 1) * n]
+        oldest, mixed, spread = sample_versions(completion, gen.weight_version)
         groups.append(Group(
             prompt_index=first_index + i, prompt_ids=prompts[i],
             completions=[list(s.token_ids) for s in completion.samples],
             gen_logprobs=[list(s.logprobs) for s in completion.samples],
-            rewards=[r.score for r in results], weight_version=gen.weight_version, step=step,
+            rewards=[r.score for r in results], weight_version=oldest, step=step,
             reward_errors=[r.error or "the reward service gave no message" for r in results
-                           if r.status == reward_pb2.SCORE_STATUS_ERROR], ids=ids[i]))
+                           if r.status == reward_pb2.SCORE_STATUS_ERROR], ids=ids[i],
+            mixed_samples=mixed, version_spread=spread))
     if spec.loss_fn.reference_policy_kl_penalty > 0:
         t0 = time.perf_counter()
         ref = await calls.logprobs(reference_pb2.LogProbsRequest(model_path=reference_model, sequences=[

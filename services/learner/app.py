@@ -42,6 +42,9 @@ class LearnerArgs(BaseModel):
     weight_store: str = DEFAULT_STORE_NAME
     # Seconds to wait for the workers' resources before Configure fails.
     placement_timeout_s: float = 120.0
+    # A rollout replica that does not answer a step of a direct weight transfer within this is
+    # dropped from it (it catches up from the store copy).
+    weight_transfer_timeout_s: float = 120.0
     # Models are read from the model directories; checkpoints and exports go to the runs directory only.
     paths: PathsArgs = PathsArgs()
 
@@ -185,12 +188,17 @@ class Learner:
         store = request.store_name or self.args.weight_store
         async with self.lock:
             session = self._require(request.run_id)
-            out = (await self._all([w.export.remote(request.run_id, store) for w in session.workers]))[0]
+            out = (await self._all([w.export.remote(request.run_id, store, request.direct, request.in_flight,
+                                                     self.args.weight_transfer_timeout_s)
+                                    for w in session.workers]))[0]
             event(log, "learner.weights_published", run=request.run_id, version=out["version"],
-                  buckets=out["buckets"], tensors=out["tensors"], mb=out["bytes"] / 2**20, seconds=out["seconds"])
-            return learner_pb2.ExportWeightsResponse(weight_version=out["version"], num_buckets=out["buckets"],
-                                                     num_tensors=out["tensors"], num_bytes=out["bytes"],
-                                                     seconds=out["seconds"])
+                  buckets=out["buckets"], tensors=out["tensors"], mb=out["bytes"] / 2**20, seconds=out["seconds"],
+                  direct_mb=out["direct_bytes"] / 2**20, receivers=out["receivers"],
+                  failed=out["failed"] or None)
+            return learner_pb2.ExportWeightsResponse(
+                weight_version=out["version"], num_buckets=out["buckets"], num_tensors=out["tensors"],
+                num_bytes=out["bytes"], seconds=out["seconds"], direct_bytes=out["direct_bytes"],
+                receivers=out["receivers"], failed=out["failed"])
 
     @grpc_method
     async def SaveCheckpoint(self, request: learner_pb2.SaveCheckpointRequest

@@ -1,8 +1,8 @@
 """One learner rank as a Ray actor: a thin host around a Ray-free backend.
 
 The actor sets up torch.distributed, builds the backend and forwards calls;
-the only Ray-specific work here is putting exported weight buckets into the
-object store and publishing them.
+the only Ray-specific work here is weight sync (`rlserve.weights.direct`):
+rank 0 sends each version to the rollout engines and publishes the store copy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rlserve.learner import make_backend
 from rlserve.learner.interfaces import BackendInfo, StepResult
 from rlserve.training.batch import TrainBatch
 from rlserve.training.distributed import device_for, init_process_group
-from rlserve.weights.buckets import iter_buckets, tensor_bytes
+from rlserve.weights.direct import Publisher
 from rlserve.weights.store import get_store
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +34,7 @@ class LearnerWorker:
         self.device = device_for(device, local_rank=0)  # Ray gives each worker its own visible GPU
         init_process_group(rank, world_size, init_method, self.device)
         self.backend = None
+        self.publisher: Publisher | None = None
 
     def configure(self, spec_yaml: str, model_path: str) -> BackendInfo:
         spec = load_spec(spec_yaml)
@@ -45,24 +46,23 @@ class LearnerWorker:
     def train_step(self, batch: TrainBatch, loss: str, lr: float | None) -> StepResult:
         return self.backend.train_step(batch, loss, lr)
 
-    def export(self, run_id: str, store_name: str) -> dict:
-        """Stream HF-named tensors into bounded buckets; rank 0 puts them and publishes the version."""
-        t0 = time.perf_counter()
+    def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool, timeout_s: float) -> dict:
+        """Walk the export on every rank (the gathers are collective); rank 0 sends and publishes."""
         # Unset outside a coordinator's run (which fills it from the deployed rollout): the training dtype.
         precision = self.spec.policy.generation.vllm_cfg.precision
         dtype = _DTYPES[precision] if precision else None
-        max_bytes = self.spec.policy.refit_buffer_size_mb * 2**20
-        refs, n_tensors, n_bytes = [], 0, 0
-        for bucket in iter_buckets(self.backend.export_weights(dtype), max_bytes):
-            if self.rank == 0:
-                refs.append(ray.put(bucket))
-                n_tensors += len(bucket)
-                n_bytes += sum(tensor_bytes(t) for t in bucket.values())
-        version = self.backend.version
-        if self.rank == 0:
-            ray.get(get_store(store_name).publish.remote(run_id, version, refs, n_tensors, n_bytes))
-        return {"version": version, "buckets": len(refs), "tensors": n_tensors, "bytes": n_bytes,
-                "seconds": time.perf_counter() - t0}
+        if self.rank != 0:
+            t0 = time.perf_counter()
+            for _ in self.backend.export_weights(dtype):
+                pass
+            return {"version": self.backend.version, "seconds": time.perf_counter() - t0}
+        if self.publisher is None:
+            self.publisher = Publisher(self.backend, get_store(store_name),
+                                       self.spec.policy.refit_buffer_size_mb * 2**20, timeout_s)
+        out = self.publisher.publish(run_id, dtype, in_flight, direct)
+        return {"version": out.version, "buckets": out.num_buckets, "tensors": out.num_tensors,
+                "bytes": out.num_bytes, "seconds": out.seconds, "direct_bytes": out.direct_bytes,
+                "receivers": out.receivers, "failed": [f"{k}: {v}" for k, v in out.failed.items()]}
 
     def save_checkpoint(self, path: str) -> None:
         self.backend.save_checkpoint(Path(path))

@@ -1,14 +1,14 @@
 """The rollout Serve application: `rlserve.v1.Rollout` over a vLLM or transformers engine.
 
-Requests are served one at a time per replica (the engine is not re-entrant):
-a weight update waits for the generation in progress and the next
-generation waits for the update, so every sample comes from exactly one
-weight version, which the response names.
+A replica serves many requests at once (vLLM's AsyncLLM schedules them;
+the transformers engine takes them in turn). New weights arrive while they
+run: straight from the learner through vLLM's weight-transfer API, or from
+the weight store (`rlserve.weights.follower`). Each sample names the weight
+versions that generated its tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -23,7 +23,6 @@ from rlserve.rollout import make_engine
 from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, SamplingSpec
 from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
 from rlserve.security.paths import PathsArgs
-from rlserve.threads import in_thread_to_the_end
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.follower import WeightFollower
 from rlserve.weights.specs import checkpoint_specs, fingerprint
@@ -42,6 +41,8 @@ class RolloutArgs(EngineSettings):
     model: str = "preset:tiny"
     model_seed: int = 0
     weight_store: str = DEFAULT_STORE_NAME
+    # A direct weight transfer that stalls this long is abandoned (the old weights keep serving).
+    weight_transfer_timeout_s: float = 120.0
     # UpdateWeights from a folder reads only inside the model directories and the runs directory.
     paths: PathsArgs = PathsArgs()
     # Bounds of one Generate request.
@@ -56,20 +57,23 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
         raise invalid_argument("sampling.top_p", f"must be in [0, 1], got {p.top_p}")
     if p.max_new_tokens <= 0:
         raise invalid_argument("sampling.max_new_tokens", f"must be > 0, got {p.max_new_tokens}")
+    if not 0 <= p.min_new_tokens <= p.max_new_tokens:
+        raise invalid_argument("sampling.min_new_tokens", f"must be in [0, max_new_tokens], got {p.min_new_tokens}")
     return SamplingSpec(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
         top_k=p.top_k if p.top_k > 0 else None,
         max_new_tokens=p.max_new_tokens,
+        min_new_tokens=p.min_new_tokens,
         stop_strings=tuple(p.stop_strings),
         stop_token_ids=tuple(p.stop_token_ids),
         seed=p.seed if p.HasField("seed") else None,
     )
 
 
-@serve.deployment(max_ongoing_requests=16)
+@serve.deployment(max_ongoing_requests=1024)
 class Rollout:
-    def __init__(self, args: dict | None = None):
+    async def __init__(self, args: dict | None = None):
         setup_logging()
         self.args = RolloutArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
@@ -80,11 +84,17 @@ class Rollout:
         self.fingerprint = fingerprint(specs)
         self.info = self.engine.info()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.weights = WeightFollower(get_store(self.args.weight_store), self.engine, specs, self.replica_id)
-        self.lock = asyncio.Lock()
-        self.weights.catch_up()
+        self.weights = WeightFollower(get_store(self.args.weight_store), self.engine, specs, self.replica_id,
+                                      self.args.weight_transfer_timeout_s)
+        await self.weights.start()
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
-              version=self.weights.version, fingerprint=self.fingerprint)
+              version=self.weights.version, fingerprint=self.fingerprint,
+              weight_transfer=self.engine.transfer_backend or "none")
+
+    def _activity(self) -> rollout_pb2.EngineActivity:
+        s = self.engine.stats()
+        return rollout_pb2.EngineActivity(uptime_s=s.uptime_s, idle_s=s.idle_s, paused_s=s.paused_s,
+                                          requests_running=s.requests_running)
 
     # --- RPCs --------------------------------------------------------------
 
@@ -117,44 +127,46 @@ class Rollout:
             raise invalid_argument("num_samples", f"must be in 0..{self.args.max_samples}, got {request.num_samples}")
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
-        async with self.lock:
-            await self.weights.sync()
-            served = self.weights.run_id
-            if request.run_id and served and request.run_id != served:
-                raise failed_precondition(f"this rollout serves the weights of run {served!r}, "
-                                          f"not {request.run_id!r}")
-            version = self.weights.version
-            if version < request.min_weight_version:
-                # The run's weights are gone from here (the weight store was lost): the caller must
-                # publish them again, which retrying this call cannot do.
-                raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
-                              f"serves {version})")
-            t0 = time.perf_counter()
-            try:
-                outputs = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling)
-            except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
-                raise invalid_argument("sampling", str(err)) from None
-            engine_seconds = time.perf_counter() - t0
+        await self.weights.sync(request.min_weight_version)
+        served = self.weights.run_id
+        if request.run_id and served and request.run_id != served:
+            raise failed_precondition(f"this rollout serves the weights of run {served!r}, "
+                                      f"not {request.run_id!r}")
+        version = self.weights.version
+        if version < request.min_weight_version:
+            # The run's weights are gone from here (the weight store was lost): the caller must
+            # publish them again, which retrying this call cannot do.
+            raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
+                          f"serves {version})")
+        t0 = time.perf_counter()
+        try:
+            outputs = await self.engine.generate(prompts, n, sampling)
+        except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
+            raise invalid_argument("sampling", str(err)) from None
+        engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[
                 rollout_pb2.Sample(token_ids=s.token_ids, logprobs=s.logprobs,
-                                   finish_reason=_FINISH[s.finish_reason], text=s.text) for s in samples])
+                                   finish_reason=_FINISH[s.finish_reason], text=s.text,
+                                   version_runs=[rollout_pb2.VersionRun(version=r.version, start=r.start, end=r.end)
+                                                 for r in s.version_runs]) for s in samples])
             for ids, samples in zip(prompts, outputs)]
-        return rollout_pb2.GenerateResponse(completions=completions, weight_version=version,
-                                            replica_id=self.replica_id, engine_seconds=engine_seconds)
+        oldest = min(s.oldest_version for samples in outputs for s in samples)
+        return rollout_pb2.GenerateResponse(completions=completions, weight_version=oldest,
+                                            replica_id=self.replica_id, engine_seconds=engine_seconds,
+                                            activity=self._activity())
 
     @grpc_method
     async def UpdateWeights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
         source = request.WhichOneof("source")
         if source is None:
             raise invalid_argument("source", "give store_name or safetensors_path")
-        async with self.lock:
-            if source == "safetensors_path":
-                folder = self.paths.model("safetensors_path", request.safetensors_path)
-                await self.weights.publish_folder(folder, request.version, request.force)
-            elif request.store_name != self.args.weight_store:
-                raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
-            applied = await self.weights.update_to(request.version)
+        if source == "safetensors_path":
+            folder = self.paths.model("safetensors_path", request.safetensors_path)
+            await self.weights.publish_folder(folder, request.version, request.force, request.in_flight)
+        elif request.store_name != self.args.weight_store:
+            raise invalid_argument("store_name", f"this rollout follows store {self.args.weight_store!r}")
+        applied = await self.weights.update_to(request.version, request.in_flight)
         if applied is None:
             return rollout_pb2.UpdateWeightsResponse(weight_version=request.version, replica_id=self.replica_id)
         return rollout_pb2.UpdateWeightsResponse(
@@ -164,14 +176,14 @@ class Rollout:
     @grpc_method
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest) -> rollout_pb2.GetInfoResponse:
         del request
-        async with self.lock:
-            await self.weights.sync()
-            return rollout_pb2.GetInfoResponse(
-                model=self.info.model, engine=self.info.engine, weight_version=self.weights.version,
-                max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
-                replica_id=self.replica_id, architecture_fingerprint=self.fingerprint, dtype=self.info.dtype,
-                tensor_parallel_size=self.args.tensor_parallel_size,
-                gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager)
+        return rollout_pb2.GetInfoResponse(
+            model=self.info.model, engine=self.info.engine, weight_version=self.weights.version,
+            max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
+            replica_id=self.replica_id, architecture_fingerprint=self.fingerprint, dtype=self.info.dtype,
+            tensor_parallel_size=self.args.tensor_parallel_size,
+            gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager,
+            weight_transfer=self.engine.transfer_backend or "", activity=self._activity(),
+            run_id=self.weights.run_id)
 
 
 def build(args: dict) -> serve.Application:

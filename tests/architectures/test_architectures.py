@@ -16,7 +16,6 @@ Numbers are fp32. Measured maxima go to the JUnit report (`record_property`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from rlserve.learner.megatron.support import unsupported_reasons
 from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.weights.hf_megatron import hf_to_megatron
 from rlserve.weights.specs import checkpoint_specs
+from tests.support.aio import LoopThread
 from tests.support.architectures import (
     ARCHITECTURES,
     architecture_dir,
@@ -50,17 +50,11 @@ RUN_LENGTH = 128  # the run's max_total_sequence_length for the megatron support
 MEGATRON_REFUSED = {"gemma2": "soft-capping", "gemma3": "Gemma3", "mistral-window": "sliding_window"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_process_group_left() -> Iterator[None]:
-    """vLLM's in-process engine initialises torch.distributed (world size 1) and keeps it after the
-    engine is gone; tear it down after this module, so that later tests (tests/distributed's megatron
-    fixtures) can start their own group in this process."""
-    yield
-    if "vllm" in sys.modules:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
 
 
 @pytest.fixture(scope="module")
@@ -230,67 +224,74 @@ def test_dtensor_tp2_matches_one_rank(sp, root, dtensor_one_rank, record_propert
 
 # --- rollout (vLLM CPU) ---------------------------------------------------------------------------
 
-def _engine_error(engine, path, prompts) -> float:
+def _engine_error(loop, engine, path, prompts) -> float:
     from rlserve.rollout.interfaces import SamplingSpec
 
-    out = engine.generate(prompts, 2, SamplingSpec(temperature=1.0, max_new_tokens=12, seed=3))
+    out = loop.run(engine.generate(prompts, 2, SamplingSpec(temperature=1.0, max_new_tokens=12, seed=3)))
     seqs = [(p + s.token_ids, len(p)) for p, ss in zip(prompts, out) for s in ss]
     return max_diff([s.logprobs for ss in out for s in ss], transformers_logprobs(path, seqs))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_vllm_logprobs_before_and_after_in_place_update(name, root, dtensor_one_rank, record_property):
+def _start(loop, name: str, **settings):
     from rlserve.rollout import make_engine
     from rlserve.rollout.interfaces import EngineConfig
 
+    async def start():
+        return make_engine(name, EngineConfig(max_model_len=64, **settings))
+
+    return loop.run(start())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_vllm_logprobs_before_and_after_in_place_update(name, root, loop, dtensor_one_rank, record_property):
     base, stepped = architecture_dir(name, root), architecture_dir(f"{name}-step", root)
     prompts = [ids[:p + 4] for ids, p in sequences()]
-    engine = make_engine("vllm", EngineConfig(model_path=base, max_model_len=64))
+    engine = _start(loop, "vllm", model_path=base)
     try:
         assert engine.reload_mode == "in_place"
-        diff = _engine_error(engine, base, prompts)
+        diff = _engine_error(loop, engine, base, prompts)
         record_property("vllm_base_logprob_max_abs_diff", diff)
         assert diff < ATOL
-        engine.load_weights(load_file(str(stepped / "model.safetensors")).items())
-        diff = _engine_error(engine, stepped, prompts)
+        loop.run(engine.load_weights(list(load_file(str(stepped / "model.safetensors")).items()), 1, False))
+        diff = _engine_error(loop, engine, stepped, prompts)
         record_property("vllm_reloaded_logprob_max_abs_diff", diff)
         assert diff < ATOL
-        assert _engine_error(engine, base, prompts) > 1e-3  # it serves the new weights, not the old
+        assert _engine_error(loop, engine, base, prompts) > 1e-3  # it serves the new weights, not the old
     finally:
-        del engine
+        loop.run(engine.close())
 
 
 @pytest.mark.parametrize("name", ["mixtral", "llama3-tied"])
-def test_vllm_plain_reload_is_stale_and_rebuild_is_right(name, root):
+def test_vllm_plain_reload_is_stale_and_rebuild_is_right(name, root, loop):
     """The controls: vLLM's own reload leaves CPU MoE experts / a tied head stale; the rebuild path is right."""
-    from rlserve.rollout import make_engine
-    from rlserve.rollout.interfaces import EngineConfig
-
     base = architecture_dir(name, root)
     other = make_architecture(name, Path(root) / f"{name}-seed7", seed=7)  # far from base: stale shows
     prompts = [ids[:p + 4] for ids, p in sequences()]
-    engine = make_engine("vllm", EngineConfig(model_path=base, max_model_len=64))
-    engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other)})
-    engine.llm.reset_prefix_cache()
-    assert _engine_error(engine, other, prompts) > 1e-2
-    del engine
-    rebuilt = make_engine("vllm", EngineConfig(model_path=base, max_model_len=64, weight_reload="rebuild"))
-    assert rebuilt.reload_mode == "rebuild"
-    rebuilt.load_weights_from_path(other)
-    assert _engine_error(rebuilt, other, prompts) < ATOL
+    engine = _start(loop, "vllm", model_path=base)
+    try:
+        loop.run(engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other)}))
+        loop.run(engine.llm.reset_prefix_cache())
+        assert _engine_error(loop, engine, other, prompts) > 1e-2
+    finally:
+        loop.run(engine.close())
+    rebuilt = _start(loop, "vllm", model_path=base, weight_reload="rebuild")
+    try:
+        assert rebuilt.reload_mode == "rebuild" and rebuilt.transfer_backend is None
+        loop.run(rebuilt.load_weights_from_path(other, 1, False))
+        assert rebuilt.version == 1
+        assert _engine_error(loop, rebuilt, other, prompts) < ATOL
+    finally:
+        loop.run(rebuilt.close())
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_transformers_engine_in_place_update(name, root, dtensor_one_rank, record_property):
+def test_transformers_engine_in_place_update(name, root, loop, dtensor_one_rank, record_property):
     """The transformers engine takes checkpoint-named updates too (fused MoE experts filled in place)."""
-    from rlserve.rollout import make_engine
-    from rlserve.rollout.interfaces import EngineConfig
-
     base, stepped = architecture_dir(name, root), architecture_dir(f"{name}-step", root)
     prompts = [ids[:p + 4] for ids, p in sequences()]
-    engine = make_engine("transformers", EngineConfig(model_path=base, max_model_len=64))
-    assert _engine_error(engine, base, prompts) < ATOL
-    engine.load_weights(load_file(str(stepped / "model.safetensors")).items())
-    diff = _engine_error(engine, stepped, prompts)
+    engine = _start(loop, "transformers", model_path=base)
+    assert _engine_error(loop, engine, base, prompts) < ATOL
+    loop.run(engine.load_weights(list(load_file(str(stepped / "model.safetensors")).items()), 1, False))
+    diff = _engine_error(loop, engine, stepped, prompts)
     record_property("transformers_engine_reloaded_logprob_max_abs_diff", diff)
     assert diff < ATOL

@@ -1,7 +1,13 @@
-"""The rollout engines themselves (no services): vLLM's CPU build and transformers agree with
-teacher-forced transformers logprobs, and vLLM's in-place weight update switches models exactly."""
+"""The rollout engines themselves (no services): vLLM's CPU build (AsyncLLM) and transformers agree
+with teacher-forced transformers logprobs; weight updates switch models exactly, also while requests
+run (in flight, through vLLM's weight-transfer API on the project's gloo engine) or after they drain."""
 
 from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import replace
 
 import pytest
 from safetensors.torch import load_file
@@ -12,59 +18,221 @@ from rlserve.models.presets import get_preset
 from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.rollout import make_engine
 from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
+from tests.support.aio import LoopThread
 
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7], [30, 31, 32]]
+# Long enough that an update issued a moment after the start lands in the middle.
+LONG = SamplingSpec(temperature=1.0, max_new_tokens=200, min_new_tokens=200, seed=7)
 
 
 @pytest.fixture(scope="module")
-def vllm_engine():
-    return make_engine("vllm", EngineConfig(model_path=resolve_model("preset:tiny")))
+def loop():
+    thread = LoopThread()
+    yield thread
+    thread.close()
 
 
-def max_logprob_error(engine_out, model_path) -> float:
-    seqs = [Sequence(p + s.token_ids, len(p)) for p, ss in zip(PROMPTS, engine_out) for s in ss]
+@pytest.fixture(scope="module")
+def vllm_engine(loop):
+    async def start():
+        return make_engine("vllm", EngineConfig(model_path=resolve_model("preset:tiny")))
+
+    engine = loop.run(start())
+    yield engine
+    loop.run(engine.close())
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    return make_model(get_preset("tiny"), tmp_path_factory.mktemp("other") / "other", seed=99)
+
+
+def logprob_errors(prompts, engine_out, model_path) -> list[list[float]]:
+    """|engine logprob - transformers logprob| per token of every sample."""
+    seqs = [Sequence(p + s.token_ids, len(p)) for p, ss in zip(prompts, engine_out) for s in ss]
     ref = ReferenceScorer(model_path).logprobs(seqs)
     gen = [s.logprobs for ss in engine_out for s in ss]
     assert all(len(r) == len(g) > 0 for r, g in zip(ref, gen))
-    return max(abs(a - b) for r, g in zip(ref, gen) for a, b in zip(r, g))
+    return [[abs(a - b) for a, b in zip(r, g)] for r, g in zip(ref, gen)]
+
+
+def max_logprob_error(engine_out, model_path) -> float:
+    return max(max(e) for e in logprob_errors(PROMPTS, engine_out, model_path))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])
-def test_sampled_logprobs_match_transformers(engine, vllm_engine):
-    eng = vllm_engine if engine == "vllm" else make_engine(engine, EngineConfig(model_path=resolve_model("preset:tiny")))
-    out = eng.generate(PROMPTS, 4, SamplingSpec(temperature=1.0, max_new_tokens=8, seed=3))
+def test_sampled_logprobs_match_transformers(engine, vllm_engine, loop):
+    async def run():
+        eng = vllm_engine if engine == "vllm" else make_engine(engine, EngineConfig(model_path=resolve_model("preset:tiny")))
+        return await eng.generate(PROMPTS, 4, SamplingSpec(temperature=1.0, max_new_tokens=8, seed=3))
+
+    out = loop.run(run())
     assert [len(ss) for ss in out] == [4, 4, 4]
     assert all(s.finish_reason in ("stop", "length") for ss in out for s in ss)
+    assert all([(r.start, r.end) for r in s.version_runs] == [(0, len(s.token_ids))] and s.oldest_version == 0
+               for ss in out for s in ss)
     assert max_logprob_error(out, resolve_model("preset:tiny")) < 1e-4
 
 
-def test_greedy_is_deterministic_and_seeds_repeat(vllm_engine):
-    greedy = SamplingSpec(temperature=0.0, max_new_tokens=6)
-    assert vllm_engine.generate(PROMPTS, 1, greedy) == vllm_engine.generate(PROMPTS, 1, greedy)
+def test_concurrent_requests_share_the_engine(vllm_engine, loop):
+    """Many calls at once run together (the engine batches them); seeds still repeat exactly."""
     seeded = SamplingSpec(temperature=1.0, max_new_tokens=6, seed=11)
-    assert vllm_engine.generate(PROMPTS, 2, seeded) == vllm_engine.generate(PROMPTS, 2, seeded)
+
+    async def run():
+        return await asyncio.gather(*(vllm_engine.generate(PROMPTS, 2, seeded) for _ in range(8)))
+
+    outs = loop.run(run())
+    assert all(o == outs[0] for o in outs)
+    greedy = SamplingSpec(temperature=0.0, max_new_tokens=6)
+    assert loop.run(vllm_engine.generate(PROMPTS, 1, greedy)) == loop.run(vllm_engine.generate(PROMPTS, 1, greedy))
 
 
-def test_seeded_sampling_of_a_batch_beyond_one_scheduler_step(vllm_engine):
+def test_seeded_sampling_of_a_batch_beyond_one_scheduler_step(vllm_engine, loop):
     """64 prompts x 8 samples x 40 tokens (20k prompt tokens, several scheduler steps) with seeds,
     as a GRPO step with chat-template prompts sends them; vLLM's CPU backend used to fail here.
     (Before any test that starts a second engine: its teardown leaves this one unusable.)"""
     prompts = [[5 + (i + j) % 40 for j in range(40)] for i in range(64)]
-    out = vllm_engine.generate(prompts, 8, SamplingSpec(temperature=1.0, max_new_tokens=4, seed=7))
+    out = loop.run(vllm_engine.generate(prompts, 8, SamplingSpec(temperature=1.0, max_new_tokens=4, seed=7)))
     assert [len(ss) for ss in out] == [8] * 64 and all(len(s.token_ids) > 0 for ss in out for s in ss)
 
 
-def test_in_place_update_switches_to_the_new_model(vllm_engine, tmp_path):
-    base, other = resolve_model("preset:tiny"), make_model(get_preset("tiny"), tmp_path / "other", seed=99)
+def test_update_from_the_store_switches_models_exactly(vllm_engine, loop, other_model):
+    base = resolve_model("preset:tiny")
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5)
     try:
-        vllm_engine.load_weights(load_file(other / "model.safetensors").items())
-        out = vllm_engine.generate(PROMPTS, 2, SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5))
-        assert max_logprob_error(out, other) < 1e-4
+        loop.run(vllm_engine.load_weights(list(load_file(other_model / "model.safetensors").items()), 1, False))
+        out = loop.run(vllm_engine.generate(PROMPTS, 2, sampling))
+        assert {s.oldest_version for ss in out for s in ss} == {1}
+        assert max_logprob_error(out, other_model) < 1e-4
         assert max_logprob_error(out, base) > 1e-2  # the test would notice stale weights
     finally:
-        vllm_engine.load_weights_from_path(base)
-    out = vllm_engine.generate(PROMPTS, 2, SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5))
+        loop.run(vllm_engine.load_weights_from_path(base, 2, False))
+    out = loop.run(vllm_engine.generate(PROMPTS, 2, sampling))
     assert max_logprob_error(out, base) < 1e-4
+
+
+class LocalClient:
+    """vLLM's weight-sync client for an engine in this process (the service uses the store's fleet)."""
+
+    def __init__(self, engine, loop: LoopThread, version: int):
+        self.engine, self.loop, self.version = engine, loop, version
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.loop.run(self.engine.init_weight_transfer(init_info))
+
+    def start_weight_update(self) -> None:
+        self.loop.run(self.engine.start_weight_update(True))
+
+    def update_weights(self, update_info: dict) -> None:
+        self.loop.run(self.engine.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.loop.run(self.engine.finish_weight_update(self.version, True))
+
+
+class TensorSource:
+    """vLLM's WeightSource over a dict of tensors (the learner's is an export walk)."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors.items())
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+
+def test_in_flight_direct_update_continues_running_requests_on_the_new_weights(vllm_engine, loop, other_model):
+    """The learner's path on CPU: the gloo engine sends while requests run; they continue on the new weights,
+    each sample says where the switch fell, and every token's logprob is exactly its version's."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from rlserve.weights import gloo_transfer
+
+    gloo_transfer.register()
+    base = resolve_model("preset:tiny")
+    version = vllm_engine.version + 1
+    running = loop.submit(vllm_engine.generate(PROMPTS, 4, LONG))
+    while vllm_engine.stats().requests_running == 0:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    info = gloo_transfer.GlooTrainerInitInfo(rank=0, world_size=2, session=uuid.uuid4().hex, timeout_s=60)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        info, client=LocalClient(vllm_engine, loop, version),
+        source=TensorSource(load_file(other_model / "model.safetensors")))
+    trainer.send_weights()
+    assert trainer.failed_ranks == set()
+    out = running.result(600)
+    try:
+        samples = [s for ss in out for s in ss]
+        assert all(len(s.token_ids) == 200 and s.finish_reason == "length" for s in samples)  # nothing aborted
+        mixed = [s for s in samples if len(s.version_runs) == 2]
+        assert mixed, "the update should land while the samples were generating"
+        errors_old = logprob_errors(PROMPTS, out, base)
+        errors_new = logprob_errors(PROMPTS, out, other_model)
+        for s, e_old, e_new in zip(samples, errors_old, errors_new):
+            runs = s.version_runs
+            assert runs[-1].version == version and runs[-1].end == len(s.token_ids)
+            for run in runs:
+                errors = e_new if run.version == version else e_old
+                assert max(errors[run.start:run.end]) < 1e-4, (run, max(errors[run.start:run.end]))
+        switch = mixed[0].version_runs[1].start
+        assert max(errors_old[samples.index(mixed[0])][switch:]) > 1e-2  # the test would notice stale weights
+    finally:
+        loop.run(vllm_engine.load_weights_from_path(base, version + 1, False))
+
+
+def test_update_without_in_flight_waits_for_running_requests(vllm_engine, loop, other_model):
+    """in_flight off: running samples finish on the old weights (one version each); later ones use the new."""
+    base = resolve_model("preset:tiny")
+    old = vllm_engine.version
+    running = loop.submit(vllm_engine.generate(PROMPTS, 2, replace(LONG, max_new_tokens=60, min_new_tokens=60)))
+    while vllm_engine.stats().requests_running < len(PROMPTS):
+        time.sleep(0.01)
+    time.sleep(0.3)  # scheduled, not only submitted: the pause waits for running requests
+    try:
+        loop.run(vllm_engine.load_weights(list(load_file(other_model / "model.safetensors").items()), old + 1, False))
+        before = running.result(600)
+        assert all([r.version for r in s.version_runs] == [old] for ss in before for s in ss)
+        assert max_logprob_error(before, base) < 1e-4
+        after = loop.run(vllm_engine.generate(PROMPTS, 2, SamplingSpec(temperature=1.0, max_new_tokens=8)))
+        assert all(s.oldest_version == old + 1 for ss in after for s in ss)
+        assert vllm_engine.stats().paused_s > 0
+    finally:
+        loop.run(vllm_engine.load_weights_from_path(base, old + 2, False))
+
+
+def test_direct_update_of_a_tied_model_is_exact(tmp_path, loop):
+    """vLLM's CPU backend packs a tied output layer apart from the embedding; the gloo transfer's load
+    re-packs it (rlserve.rollout.vllm_reload), so the new weights serve exactly, head included."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from rlserve.weights import gloo_transfer
+
+    gloo_transfer.register()
+    tied_cfg = replace(get_preset("tiny"), tie_word_embeddings=True)
+    tied, other = make_model(tied_cfg, tmp_path / "tied"), make_model(tied_cfg, tmp_path / "other", seed=5)
+    sampling = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=3)
+
+    async def start():
+        return make_engine("vllm", EngineConfig(model_path=tied))
+
+    engine = loop.run(start())
+    try:
+        assert engine.transfer_backend == "gloo" and engine.reload_mode == "in_place"
+        info = gloo_transfer.GlooTrainerInitInfo(rank=0, world_size=2, session=uuid.uuid4().hex, timeout_s=60)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            info, client=LocalClient(engine, loop, 1), source=TensorSource(load_file(other / "model.safetensors")))
+        trainer.send_weights()
+        assert trainer.failed_ranks == set()
+        out = loop.run(engine.generate(PROMPTS, 2, sampling))
+        assert max_logprob_error(out, other) < 1e-4
+        assert max_logprob_error(out, tied) > 1e-2
+    finally:
+        loop.run(engine.close())
 
 
 def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():

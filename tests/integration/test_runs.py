@@ -57,16 +57,27 @@ def test_short_run_completes_with_a_balanced_ledger(client):
     assert model(torch.tensor([[8, 11, 41]])).logits.shape[-1] == model.config.vocab_size
 
 
-@pytest.mark.parametrize("max_age", [0, 2])
-def test_no_trained_group_is_older_than_the_bound(client, max_age):
+@pytest.mark.parametrize("max_age, in_flight", [(0, True), (2, False), (1, True)])
+def test_no_trained_group_is_older_than_the_bound(client, max_age, in_flight):
+    """Step-level async, and streaming with in-flight updates (a sample's age is its oldest version's):
+    nothing older than the bound is trained, so with the bound at 0 nothing mixed is."""
     run = client.submit(spec(grpo__max_num_steps=5, grpo__val_period=0, checkpointing__enabled=False,
-                             grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": max_age}))
+                             grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": max_age,
+                                               "in_flight_weight_updates": in_flight, "streaming": in_flight,
+                                               "max_prompts_in_flight": 4}))
     events = events_until_end(client, run.run_id)
     assert client.get(run.run_id).state == pb.RUN_STATE_SUCCEEDED
-    staleness = [m["batch/staleness_max"] for m in metric_events(events)]
+    steps = metric_events(events)
+    staleness = [m["batch/staleness_max"] for m in steps]
     assert len(staleness) == 5 and max(staleness) <= max_age
     if max_age:
         assert max(staleness) >= 1, "with max_age > 0 generation should run ahead of training"
+    else:
+        assert all(m["batch/mixed_version_samples"] == 0 and m["batch/version_spread_max"] == 0 for m in steps)
+    assert all(m["batch/version_spread_max"] <= max_age for m in steps)
+    idle = [m["engine/idle_fraction"] for m in steps if "engine/idle_fraction" in m]
+    assert all(0 <= x <= 1 for x in idle) and (idle or not in_flight)
+    assert all(m["weight_sync/direct_mib"] > 0 for m in steps)  # learner -> engines directly (gloo)
     assert not any(ev.kind == pb.EVENT_KIND_DROPPED and "stale" in ev.message for ev in events)
 
 

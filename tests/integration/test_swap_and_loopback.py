@@ -33,8 +33,9 @@ def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
     deployed = reward_version(channel)
     with CoordinatorClient(test_cluster.endpoint) as client:
         # No reward.functions: the run scores with whatever the reward service runs (partial-credit
-        # exact match in the test cluster, so that steps really train and take time).
-        run = client.submit(spec(reward__functions=None, grpo__max_num_steps=40, grpo__val_period=0,
+        # exact match in the test cluster, so that steps really train and take time). Long enough to
+        # outlast the swap: with direct weight transfer a step of this run takes ~0.3 s.
+        run = client.submit(spec(reward__functions=None, grpo__max_num_steps=100, grpo__val_period=0,
                                  checkpointing__enabled=False))
         wait_for(client, run.run_id, pb.EVENT_KIND_STEP)
         try:
@@ -49,7 +50,7 @@ def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
     assert reward_version(channel) == deployed
     assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
     swaps = [ev for ev in events if ev.kind == pb.EVENT_KIND_REWARD_SWAP]
-    assert swaps and swaps[0].step < 40, "the swap should land while the run goes on"
+    assert swaps and swaps[0].step < 100, "the swap should land while the run goes on"
     assert not [ev for ev in events if ev.kind == pb.EVENT_KIND_RETRY], "a reward call failed during the swap"
     assert "reward_error" not in run.ledger.dropped
     assert_records_agree(run, events)

@@ -50,6 +50,17 @@ def replicas_versions(stub, calls=12) -> dict[str, int]:
     return seen
 
 
+def settle(stub, version: int, timeout_s: float = 60) -> dict[str, int]:
+    """Both replicas serve `version` (the one called loads it at once, the other on the store's notice)."""
+    deadline = time.time() + timeout_s
+    while True:
+        versions = replicas_versions(stub)
+        if len(versions) == 2 and set(versions.values()) == {version}:
+            return versions
+        assert time.time() < deadline, f"replicas did not all move to version {version}: {versions}"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def second_model(test_cluster):
     return make_model(get_preset("tiny"), test_cluster.models_dir / "second", seed=7)
@@ -58,18 +69,16 @@ def second_model(test_cluster):
 def test_update_to_a_second_model_matches_transformers_on_every_replica(channel, second_model):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     applied = load(stub, second_model)
+    settle(stub, applied.weight_version)
     resp = generate(stub)
     assert resp.weight_version == applied.weight_version
     assert max_error(resp, second_model) < 1e-4
     assert max_error(resp, resolve_model("preset:tiny")) > 1e-2
-    versions = replicas_versions(stub)
-    assert len(versions) == 2, "the test cluster runs two rollout replicas"
-    assert set(versions.values()) == {applied.weight_version}
 
 
 def test_bad_updates_are_rejected_and_old_weights_keep_serving(channel, test_cluster):
     stub = rollout_pb2_grpc.RolloutStub(channel)
-    load(stub, resolve_model("preset:tiny"))
+    settle(stub, load(stub, resolve_model("preset:tiny")).weight_version)
     before = generate(stub, n=1, temperature=0.0)
     wrong_shapes = make_model(get_preset("small"), test_cluster.models_dir / "small")
     with pytest.raises(grpc.RpcError) as err:
@@ -87,7 +96,7 @@ def test_bad_updates_are_rejected_and_old_weights_keep_serving(channel, test_clu
 def test_a_restarted_replica_loads_the_newest_publication(channel, second_model, ray_driver):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     version = load(stub, second_model).weight_version
-    victim = next(iter(replicas_versions(stub)))
+    victim = next(iter(settle(stub, version)))
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
               if a["namespace"] == "serve" and "rollout" in a["name"] and victim in a["name"]]
     assert actors, "could not find the replica actor"
@@ -122,6 +131,7 @@ def test_learner_export_reproduces_learner_logprobs(channel, test_cluster):
                                                              hf_path=str(hf)))
     stub = rollout_pb2_grpc.RolloutStub(channel)
     stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=3, store_name="rlserve-weights"))
+    settle(stub, 3)
     resp = generate(stub)
     assert resp.weight_version == 3
     assert max_error(resp, hf) < 1e-4

@@ -68,7 +68,6 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 
-
 class CpuRNGStatesTracker:
     """Named RNG states on the CPU generator, the interface of megatron's CudaRNGStatesTracker."""
 

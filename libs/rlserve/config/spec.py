@@ -199,8 +199,21 @@ class PolicyCfg(Section):
 
 class AsyncGrpoCfg(Section):
     enabled: bool = False
-    # How many weight versions a trajectory may lag the learner (0: on-policy).
+    # How many weight versions a trajectory may lag the learner (0: on-policy); a sample's age is
+    # that of the oldest version any of its tokens was generated under.
     max_trajectory_age_steps: int = Field(1, ge=0, le=64)
+    # New weights reach requests already generating (pause with requests kept, load, resume): a
+    # sample may then span versions, its logprobs those it was sampled with. Off: running requests
+    # finish on the old weights before the update, so every sample comes from one version.
+    in_flight_weight_updates: bool = False
+    # Streaming: small requests (`prompts_per_request` prompts), each scored as soon as its samples
+    # finish, and the next step's prompts submitted while the current step's last groups still
+    # generate (within the staleness bound). Off: one request per step.
+    streaming: bool = False
+    # Prompts generating at once when streaming.
+    max_prompts_in_flight: int = Field(64, ge=1, le=MAX_PROMPTS_PER_STEP)
+    # Prompts per request when streaming (1: every group on its own; larger: fewer calls).
+    prompts_per_request: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
 
 
 class GrpoCfg(Section):

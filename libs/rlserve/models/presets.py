@@ -3,7 +3,8 @@
 `tiny` is the demo/test model (`make demo` learns with it on 2 cores; 32-wide
 heads because vLLM's CPU attention supports head sizes that are multiples of
 32 from 32 up, and untied embeddings because vLLM's CPU in-place weight
-reload used to leave a tied output layer stale), `small` is for CPU benchmarks, `1b`
+reload used to leave a tied output layer stale), `small` (29M parameters) and
+`medium` (101M, weight-transfer benchmarks) are for CPU benchmarks, `1b`
 for GPU benchmarks, `1b-152k` is `1b` with a Qwen-sized vocabulary (151,936
 entries, 0.31B parameters in the output layer alone) where the logprob and
 entropy memory dominates, `tiny-chat` is `tiny` with a byte-level BPE
@@ -45,6 +46,7 @@ PRESETS: dict[str, ModelPreset] = {
     for p in (
         ModelPreset("tiny", "llama", 192, 2, 6, 2, 768, 256, False),
         ModelPreset("small", "llama", 512, 8, 8, 4, 1536, 512, False, padded_vocab_size=4096),
+        ModelPreset("medium", "llama", 768, 14, 12, 4, 2048, 512, False, padded_vocab_size=8192),
         ModelPreset("1b", "llama", 2048, 16, 16, 8, 5632, 4096, False, padded_vocab_size=32000),
         ModelPreset("1b-152k", "llama", 2048, 16, 16, 8, 5632, 32768, False, padded_vocab_size=151936),
         ModelPreset("tiny-chat", "llama", 192, 2, 6, 2, 768, 256, False, tokenizer="bpe-chat"),

@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
-from rlserve.rollout.interfaces import EngineConfig, EngineInfo, GeneratedSample, RolloutEngine, SamplingSpec
+from rlserve.rollout.interfaces import BatchEngine, EngineConfig, EngineInfo, GeneratedSample, SamplingSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class TransformersEngine(RolloutEngine):
+class TransformersEngine(BatchEngine):
     name = "transformers"
 
     def __init__(self, cfg: EngineConfig):
@@ -57,6 +57,7 @@ class TransformersEngine(RolloutEngine):
             top_p=None if greedy else sampling.top_p,
             top_k=None if greedy else (sampling.top_k or 0),
             max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.min_new_tokens or None,
             eos_token_id=sorted(stop_ids),
             pad_token_id=self.pad_id,
             stop_strings=list(sampling.stop_strings) or None,

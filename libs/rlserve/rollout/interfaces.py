@@ -1,4 +1,14 @@
-"""The rollout engine contract: what the rollout service needs from vLLM or transformers."""
+"""The rollout engine contract: what the rollout service needs from vLLM or transformers.
+
+`RolloutEngine` is asynchronous and re-entrant: a replica serves many
+requests at once, and a new weight version may arrive while they run. How a
+version is applied is the engine's business; what it must report is which
+version produced each token (`GeneratedSample.version_runs`), so that
+callers can bound staleness by the oldest version in a sample and correct for
+it with the recorded logprobs. `BatchEngine` is the simple synchronous form
+(one batch at a time); `serialized.Serialized` turns one into a
+`RolloutEngine` whose samples each come from one version.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +43,12 @@ class EngineSettings(BaseModel):
     # vLLM weight updates: "auto" reloads in place where that is known to be correct (vllm_reload)
     # and rebuilds the engine otherwise; "rebuild" always starts an engine on the new weights (slow).
     weight_reload: Literal["auto", "rebuild"] = "auto"
+    # Sequences the engine schedules at once (vLLM's max_num_seqs).
+    max_num_seqs: int = Field(256, ge=1)
+    # vLLM weight-transfer engine the learner sends new weights through: "gloo" (CPU, registered by
+    # rlserve), "nccl" (GPUs on different processes), "ipc" (learner and engine share a GPU); "none"
+    # takes weights only from the weight store.
+    weight_transfer: Literal["gloo", "nccl", "ipc", "none"] = "gloo"
 
 
 class EngineConfig(EngineSettings):
@@ -45,18 +61,39 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int | None = None
     max_new_tokens: int = 16
+    min_new_tokens: int = 0
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
 
 @dataclass(frozen=True)
+class VersionRun:
+    """Tokens [start, end) of a sample were generated under weight version `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class GeneratedSample:
     token_ids: list[int]
-    # Logprob of each sampled token under the model's own (temperature-1) distribution.
+    # Logprob of each sampled token under the model's own (temperature-1) distribution, with the
+    # weights that sampled it.
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     text: str = ""
+    # Which weight version produced which tokens, in order, covering every token.
+    version_runs: tuple[VersionRun, ...] = ()
+
+    @property
+    def oldest_version(self) -> int:
+        return min(r.version for r in self.version_runs)
+
+    @property
+    def newest_version(self) -> int:
+        return max(r.version for r in self.version_runs)
 
 
 @dataclass
@@ -69,14 +106,86 @@ class EngineInfo:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Cumulative seconds since the engine started; callers take differences over an interval."""
+
+    uptime_s: float
+    # No request in the engine, or all of them held by a pause.
+    idle_s: float
+    # Paused for a weight update (part of idle_s when requests were waiting).
+    paused_s: float
+    requests_running: int
+
+
 class RolloutEngine(ABC):
-    """One generation engine. Not thread-safe: the service serialises calls."""
+    """One generation engine serving concurrent requests."""
+
+    name: str
+    # The weight-transfer engine name a learner may send to directly, or None (weight store only),
+    # and how many ranks (workers) the engine brings to a transfer.
+    transfer_backend: str | None = None
+    num_transfer_workers: int = 1
+
+    @abstractmethod
+    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+        """`n` samples for each prompt, in prompt order."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The weight version new tokens are generated under."""
+
+    @abstractmethod
+    async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, in_flight: bool) -> None:
+        """Replace weights in place with HF-named full tensors (already validated).
+
+        in_flight: requests running now continue under the new weights (their
+        samples then span versions); otherwise they finish on the old weights first.
+        """
+
+    @abstractmethod
+    async def load_weights_from_path(self, path: Path, version: int, in_flight: bool) -> None:
+        """`load_weights` from a folder of HF-named *.safetensors (already validated)."""
+
+    # vLLM's weight-transfer API, for engines with a `transfer_backend` (the learner drives the calls).
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
+
+    async def start_weight_update(self, in_flight: bool) -> None:
+        raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
+
+    async def update_weights(self, update_info: dict) -> None:
+        raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
+
+    async def finish_weight_update(self, version: int, in_flight: bool) -> None:
+        raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
+
+    async def abort_weight_update(self) -> None:
+        raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    async def close(self) -> None:
+        """Release the engine (its processes, memory)."""
+
+
+class BatchEngine(ABC):
+    """A synchronous engine: one batch at a time (wrap it in `serialized.Serialized`)."""
 
     name: str
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        """`n` samples for each prompt, in prompt order; InvalidRequest if the engine refuses the request."""
+        """`n` samples for each prompt, in prompt order (version_runs left empty); InvalidRequest if the
+        engine refuses the request."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

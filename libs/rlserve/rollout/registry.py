@@ -13,8 +13,9 @@ def _vllm(cfg: EngineConfig) -> RolloutEngine:
 
 def _transformers(cfg: EngineConfig) -> RolloutEngine:
     from rlserve.rollout.hf_engine import TransformersEngine
+    from rlserve.rollout.serialized import Serialized
 
-    return TransformersEngine(cfg)
+    return Serialized(TransformersEngine(cfg))
 
 
 ENGINES = {"vllm": _vllm, "transformers": _transformers}

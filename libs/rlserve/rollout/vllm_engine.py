@@ -1,68 +1,112 @@
-"""vLLM as a rollout engine, in-process (one replica process holds the engine).
+"""vLLM as a rollout engine: `AsyncLLM`, many requests at once, weights replaced while they run.
 
-The in-place weight update goes through `rlserve.rollout.vllm_reload` (vLLM's
-`reload_weights` plus the re-packing its CPU backend misses for MoE experts
-and tied output layers) here and nowhere else, followed by a prefix-cache
-reset (without it, cached prefixes would keep serving results of the old
-weights). Where the model has a layer whose in-place reload is not known to be
-correct, the engine is rebuilt on the new weights instead: slower (an engine
-start), never wrong; that choice is logged once.
+The engine runs in vLLM's own processes (AsyncLLM always starts its engine
+core as a child process), so weights reach it either through vLLM's
+weight-transfer API straight from the learner (`init_weight_transfer`,
+`start_weight_update`, `update_weights`, `finish_weight_update`; the `gloo`
+engine on CPU, `nccl`/`ipc` on GPUs) or as a folder of safetensors
+(`load_weights*`; tensors from the weight store are written to /dev/shm first).
+
+Every update follows vLLM's own sequence: pause generation, load, stamp the
+version (`finish_weight_update(weight_version=...)` / `update_weight_version`),
+reset the prefix cache, resume. With `in_flight` the pause keeps the running
+requests (`mode="keep"`) and the cache reset preempts them, so they recompute
+their KV cache under the new weights and continue: every token after the
+switch is exactly the new policy's. Without it the pause waits for running
+requests to finish first (`mode="wait"`), so a sample never spans versions.
+vLLM labels each sample's tokens with the versions that produced them
+(`CompletionOutput.weight_versions`); those labels become `version_runs`.
+
+Only one update runs at a time (`_updating`): a direct transfer holds it from
+`start_weight_update` until `finish`/`abort`.
+
+Loading in place goes through `rlserve.rollout.vllm_reload` inside the worker
+(vLLM's reload plus the re-packing its CPU backend misses for MoE experts and
+tied output layers), for the weight store's path and the direct one alike.
+A quantised model on CPU has layers whose in-place reload is not known to be
+correct: the engine then rebuilds itself on each new set of weights instead
+(an engine start per update, never wrong; logged once) and takes weights from
+the weight store only.
 """
 
 from __future__ import annotations
 
-import gc
+import asyncio
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+import uuid
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from rlserve.logs import event
-from rlserve.rollout import vllm_reload
+from rlserve.rollout.activity import Activity
 from rlserve.rollout.interfaces import (
     EngineConfig,
     EngineInfo,
+    EngineStats,
     GeneratedSample,
     InvalidRequest,
     RolloutEngine,
     SamplingSpec,
+    VersionRun,
 )
 
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# Transfer engines that receive into staging buffers and touch the model only at
+# finish_weight_update (generation may go on while they receive); the others load as they
+# receive, so the engine must be paused from start_weight_update on.
+_STAGED_TRANSFER = {"gloo"}
+_WORKER_EXTENSION = "rlserve.rollout.vllm_worker.RlserveWorkerExtension"
+# Where weights from the weight store are written for the engine process to read (memory-backed).
+_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+def _version_of(label: str) -> int:
+    """vLLM's weight-version label as rlserve's integer version ("default": the deployed weights, 0)."""
+    return 0 if label == "default" else int(label)
 
 
 class VllmEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, cfg: EngineConfig):
-        # Read by vLLM at import and engine start: keep the engine in this
-        # process (weights can then be handed over as tensors) and size the
-        # CPU KV cache.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Read by vLLM at import and engine start: the AsyncLLM needs its engine-core process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("DO_NOT_TRACK", "1")
         self.cfg = cfg
-        self._rebuilt_from: Path | None = None  # the folder of the weights a rebuilt engine runs
+        self.transfer_backend = None if cfg.weight_transfer == "none" else cfg.weight_transfer
+        self.num_transfer_workers = cfg.tensor_parallel_size
         self.llm = self._start(cfg.model_path)
         self._tokenizer = self.llm.get_tokenizer()
-        self._vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
-        blockers = self.llm.collective_rpc(vllm_reload.in_place_blockers)[0]
-        self.reload_mode = "rebuild" if cfg.weight_reload == "rebuild" or blockers else "in_place"
+        self._vocab_size = self.llm.model_config.get_vocab_size()
+        quantization = self.llm.model_config.quantization
+        cpu = not torch.cuda.is_available()
+        self.reload_mode = "rebuild" if cfg.weight_reload == "rebuild" or (cpu and quantization) else "in_place"
+        self._rebuilt_from: Path | None = None  # the folder of the weights a rebuilt engine runs
         if self.reload_mode == "rebuild":
+            self.transfer_backend = None  # a direct transfer loads in place
             event(log, "rollout.vllm_reload_by_rebuild", logging.WARNING, model=str(cfg.model_path),
-                  reason=f"layers without a known-correct in-place reload: {blockers[:4]}" if blockers
+                  reason=f"{quantization} quantisation on CPU" if quantization and cpu
                   else "engine config weight_reload=rebuild")
+        self._version = 0
+        self._activity = Activity()
+        self._updating = asyncio.Lock()
+        self._paused = False
+        self._serving = asyncio.Event()  # cleared while a rebuild replaces the engine
+        self._serving.set()
 
     def _start(self, model: Path):
-        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.cfg
         # On the CPU backend a prompt split over two scheduler steps (chunked prefill: a batch of
@@ -71,83 +115,193 @@ class VllmEngine(RolloutEngine):
         # prompts per step avoid it.
         cpu_scheduling = {} if torch.cuda.is_available() else {
             "enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_model_len, 4096)}
-        return LLM(model=str(model), tokenizer=str(cfg.model_path), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                   seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
-                   gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                   **cpu_scheduling)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=str(model),
+            tokenizer=str(cfg.model_path),
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            max_num_seqs=cfg.max_num_seqs,
+            # One worker: inside the engine-core process (no third process, no IPC hop per step).
+            distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else None,
+            **cpu_scheduling,
+            worker_extension_cls=_WORKER_EXTENSION,
+            weight_transfer_config=WeightTransferConfig(backend=self.transfer_backend) if self.transfer_backend else None,
+        ))
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # --- generation ------------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
         from vllm.exceptions import VLLMClientError
 
         try:
-            return self._generate(prompts, n, sampling)
+            return list(await asyncio.gather(*(self._generate_one(ids, n, sampling, i)
+                                               for i, ids in enumerate(prompts))))
         except (VLLMClientError, ValueError) as err:  # vLLM's checks of the request (ValueError in older paths)
             raise InvalidRequest(str(err)) from None
 
-    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+    async def _generate_one(self, ids: list[int], n: int, sampling: SamplingSpec, index: int) -> list[GeneratedSample]:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        requests, params = [], []
-        for i, ids in enumerate(prompts):
-            requests.append({"prompt_token_ids": ids})
-            params.append(SamplingParams(
-                n=n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k or 0,
-                max_tokens=sampling.max_new_tokens,
-                stop=list(sampling.stop_strings) or None,
-                stop_token_ids=list(sampling.stop_token_ids) or None,
-                # Distinct seeds per prompt: equal prompts in one batch must not sample alike.
-                seed=None if sampling.seed is None else sampling.seed + i,
-                logprobs=0,
-            ))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return [[self._sample(o) for o in out.outputs] for out in outputs]
+        params = SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k or 0,
+            max_tokens=sampling.max_new_tokens,
+            min_tokens=sampling.min_new_tokens,
+            stop=list(sampling.stop_strings) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            # Distinct seeds per prompt: equal prompts in one call must not sample alike.
+            seed=None if sampling.seed is None else sampling.seed + index,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        final = None
+        await self._serving.wait()
+        self._activity.request_started()
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=uuid.uuid4().hex):
+                final = out
+        finally:
+            self._activity.request_finished()
+        return [self._sample(o) for o in final.outputs]
 
-    @staticmethod
-    def _sample(o) -> GeneratedSample:
+    def _sample(self, o) -> GeneratedSample:
         ids = list(o.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
-        return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), o.text)
+        spans = o.weight_versions or []
+        runs = tuple(VersionRun(_version_of(s.version), s.start, s.end) for s in spans) or \
+            (VersionRun(self._version, 0, len(ids)),)
+        return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), o.text, runs)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    # --- weight updates ----------------------------------------------------------------
+
+    async def _pause(self, in_flight: bool) -> None:
+        if not self._paused:
+            await self.llm.pause_generation(mode="keep" if in_flight else "wait", clear_cache=False)
+            self._paused = True
+            self._activity.paused()
+
+    async def _resume(self) -> None:
+        if self._paused:
+            await self.llm.resume_generation()
+            self._paused = False
+            self._activity.resumed()
+
+    async def _switched(self, version: int, in_flight: bool) -> None:
+        """After new weights are in: requests in flight recompute under them; cached prefixes go."""
+        self._version = version
+        if not await self.llm.reset_prefix_cache(reset_running_requests=in_flight):
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, in_flight: bool) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="rlserve-weights-", dir=_SHM))
+        try:
+            await asyncio.to_thread(save_file, {n: t.contiguous() for n, t in named_tensors},
+                                    str(folder / "model.safetensors"), {"format": "pt"})
+            await self.load_weights_from_path(folder, version, in_flight)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    async def load_weights_from_path(self, path: Path, version: int, in_flight: bool) -> None:
         if self.reload_mode == "rebuild":
-            folder = self._new_folder()
-            save_file({n: t.contiguous() for n, t in named_tensors}, str(folder / "model.safetensors"),
-                      metadata={"format": "pt"})
-            self._rebuild(folder)
+            await self._rebuild(Path(path), version)
             return
-        self.llm.collective_rpc(vllm_reload.reload_in_place, kwargs={"weights_iterator": list(named_tensors)})
-        self.llm.reset_prefix_cache()
+        async with self._updating:
+            await self._pause(in_flight)
+            try:
+                await self.llm.collective_rpc("rlserve_reload_weights", kwargs={"weights_path": str(path)})
+                await self.llm.update_weight_version(str(version))
+                await self._switched(version, in_flight)
+            finally:
+                await self._resume()
 
-    def load_weights_from_path(self, path: Path) -> None:
-        if self.reload_mode == "rebuild":
-            folder = self._new_folder()
-            for f in Path(path).glob("*.safetensors"):
-                shutil.copy(f, folder / f.name)
-            self._rebuild(folder)
-            return
-        self.llm.collective_rpc(vllm_reload.reload_in_place, kwargs={"weights_path": str(path)})
-        self.llm.reset_prefix_cache()
-
-    def _new_folder(self) -> Path:
-        """An HF folder with the served model's config and tokenizer files, for the new weights."""
+    async def _rebuild(self, weights: Path, version: int) -> None:
+        """Replace the engine by one started on `weights`; running requests finish on the old one first,
+        new ones wait for the new one."""
         folder = Path(tempfile.mkdtemp(prefix="rlserve-vllm-weights-"))
-        for f in Path(self.cfg.model_path).iterdir():
-            weights = f.name.endswith((".safetensors", ".bin")) or f.name == "model.safetensors.index.json"
-            if f.is_file() and not weights:
+        for f in Path(self.cfg.model_path).iterdir():  # the served model's config and tokenizer files
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".safetensors.index.json")):
                 shutil.copy(f, folder / f.name)
-        return folder
-
-    def _rebuild(self, folder: Path) -> None:
-        """Replace the engine by one started on `folder` (the old one is freed first: memory)."""
-        self.llm = None
-        gc.collect()
-        self.llm = self._start(folder)
+        for f in weights.iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.copy(f, folder / f.name)
+        async with self._updating:
+            self._serving.clear()
+            try:
+                await self._pause(in_flight=False)
+                self.llm.shutdown()
+                self.llm = await asyncio.to_thread(self._start, folder)
+                await self.llm.update_weight_version(str(version))
+                self._version = version
+            finally:
+                self._paused = False
+                self._activity.resumed()
+                self._serving.set()
         if self._rebuilt_from is not None:
             shutil.rmtree(self._rebuilt_from, ignore_errors=True)
         self._rebuilt_from = folder
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.transfer_backend is None:
+            raise NotImplementedError(f"this vLLM engine takes weights from the weight store only "
+                                      f"(reload mode {self.reload_mode}, weight_transfer {self.cfg.weight_transfer})")
+        async with self._updating:
+            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self, in_flight: bool) -> None:
+        await self._updating.acquire()
+        try:
+            if self.transfer_backend not in _STAGED_TRANSFER:
+                await self._pause(in_flight)
+            await self.llm.start_weight_update()
+        except BaseException:
+            await self._resume()
+            self._updating.release()
+            raise
+
+    async def update_weights(self, update_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self, version: int, in_flight: bool) -> None:
+        try:
+            await self._pause(in_flight)
+            try:
+                await self.llm.finish_weight_update(weight_version=str(version))
+            except BaseException:
+                await self.llm.collective_rpc("rlserve_abort_weight_update")
+                raise
+            await self._switched(version, in_flight)
+        finally:
+            await self._resume()
+            self._updating.release()
+
+    async def abort_weight_update(self) -> None:
+        """End a direct update that will not finish (its sender or link is gone); old weights stay."""
+        try:
+            await self.llm.collective_rpc("rlserve_abort_weight_update")
+        finally:
+            await self._resume()
+            if self._updating.locked():
+                self._updating.release()
+
+    # --- the rest ------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return self._activity.stats()
 
     def info(self) -> EngineInfo:
         return EngineInfo("vllm", str(self.cfg.model_path), self.cfg.max_model_len, self._vocab_size, self.cfg.dtype,
@@ -155,3 +309,8 @@ class VllmEngine(RolloutEngine):
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
+
+    async def close(self) -> None:
+        self.llm.shutdown()
+        if self._rebuilt_from is not None:
+            shutil.rmtree(self._rebuilt_from, ignore_errors=True)

@@ -25,14 +25,16 @@ logprobs off by ~14 for a tiny Mixtral, ~1.5 for a tied Llama):
 
 Dense linear layers need nothing: the reload re-runs their processing (a new
 packed GEMM from the new weight). Any other quantisation method is not known
-to reload correctly here: `in_place_blockers` names those layers and the
-engine rebuilds itself instead (`VllmEngine`). On GPUs vLLM's own path is used
-unchanged.
+to reload correctly here: `in_place_blockers` names those layers, the engine
+rebuilds itself instead for quantised models on CPU (`VllmEngine`), and
+`consistent_reload` refuses any reload that would leave such a layer stale. On
+GPUs vLLM's own path is used unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -52,29 +54,38 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def in_place_blockers(worker) -> list[str]:
+def in_place_blockers(model: nn.Module) -> list[str]:
     """Layers whose in-place reload is not known to be correct on this platform (empty: reload in place)."""
     if not _on_cpu():
         return []
     known = _methods()
-    model = worker.model_runner.get_model()
     return [f"{name} ({type(m.quant_method).__name__})" for name, m in model.named_modules()
             if getattr(m, "quant_method", None) is not None and not isinstance(m.quant_method, known)]
 
 
-def reload_in_place(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
-                    weights_path: str | None = None) -> None:
-    """vLLM's `reload_weights`, with the CPU MoE and tied-head repacking described in the module docstring."""
-    model: nn.Module = worker.model_runner.get_model()
+@contextmanager
+def consistent_reload(model: nn.Module) -> Iterator[None]:
+    """Around any vLLM reload of `model` (the store's path or a direct transfer): the CPU MoE and
+    tied-head repacking of the module docstring. Refuses a model with a layer it does not know."""
+    blockers = in_place_blockers(model)
+    if blockers:
+        raise RuntimeError(f"in-place reload is not known to be correct for {blockers[:4]}; the engine should "
+                           f"have chosen to rebuild (EngineSettings.weight_reload)")
     cpu = _on_cpu()
     _, embedding_method, moe_method = _methods()
     if cpu:
         for m in model.modules():
             if isinstance(getattr(m, "quant_method", None), moe_method):
                 m.quant_method.moe_kernel = None  # redo the first-load set-up, CPU prepacking included
-    worker.reload_weights(weights_iterator=weights_iterator, weights_path=weights_path)
+    yield
     if cpu:
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(getattr(m, "quant_method", None), embedding_method):
                     m.quant_method.process_weights_after_loading(m)  # re-pack a tied head's GEMM
+
+
+def reload_in_place(worker, weights_path: str) -> None:
+    """vLLM's `reload_weights` from a folder, made consistent (`consistent_reload`)."""
+    with consistent_reload(worker.model_runner.get_model()):
+        worker.reload_weights(weights_path=weights_path)

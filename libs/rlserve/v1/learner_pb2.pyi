@@ -86,26 +86,36 @@ class TrainStepResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "store_name")
+    __slots__ = ("run_id", "store_name", "direct", "in_flight")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     store_name: str
-    def __init__(self, run_id: _Optional[str] = ..., store_name: _Optional[str] = ...) -> None: ...
+    direct: bool
+    in_flight: bool
+    def __init__(self, run_id: _Optional[str] = ..., store_name: _Optional[str] = ..., direct: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class ExportWeightsResponse(_message.Message):
-    __slots__ = ("weight_version", "num_buckets", "num_tensors", "num_bytes", "seconds")
+    __slots__ = ("weight_version", "num_buckets", "num_tensors", "num_bytes", "seconds", "direct_bytes", "receivers", "failed")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     num_buckets: int
     num_tensors: int
     num_bytes: int
     seconds: float
-    def __init__(self, weight_version: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    direct_bytes: int
+    receivers: int
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, weight_version: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., direct_bytes: _Optional[int] = ..., receivers: _Optional[int] = ..., failed: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("run_id", "path", "hf_path")

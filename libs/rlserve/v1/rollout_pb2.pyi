@@ -29,17 +29,29 @@ class GenerateRequest(_message.Message):
     run_id: str
     def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
+class VersionRun(_message.Message):
+    __slots__ = ("version", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    start: int
+    end: int
+    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "text")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "version_runs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ...) -> None: ...
+    version_runs: _containers.RepeatedCompositeFieldContainer[VersionRun]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., version_runs: _Optional[_Iterable[_Union[VersionRun, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("prompt_token_ids", "samples")
@@ -50,28 +62,44 @@ class Completion(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("completions", "weight_version", "replica_id", "engine_seconds")
+    __slots__ = ("completions", "weight_version", "replica_id", "engine_seconds", "activity")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     weight_version: int
     replica_id: str
     engine_seconds: float
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
+    activity: EngineActivity
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine_seconds: _Optional[float] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ...) -> None: ...
+
+class EngineActivity(_message.Message):
+    __slots__ = ("uptime_s", "idle_s", "paused_s", "requests_running")
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    uptime_s: float
+    idle_s: float
+    paused_s: float
+    requests_running: int
+    def __init__(self, uptime_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., requests_running: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "store_name", "safetensors_path", "force")
+    __slots__ = ("version", "store_name", "safetensors_path", "force", "in_flight")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_NAME_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_PATH_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     version: int
     store_name: str
     safetensors_path: str
     force: bool
-    def __init__(self, version: _Optional[int] = ..., store_name: _Optional[str] = ..., safetensors_path: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    in_flight: bool
+    def __init__(self, version: _Optional[int] = ..., store_name: _Optional[str] = ..., safetensors_path: _Optional[str] = ..., force: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "num_tensors", "num_bytes", "fetch_seconds", "apply_seconds", "replica_id")
@@ -94,7 +122,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager")
+    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity", "run_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +134,9 @@ class GetInfoResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     weight_version: int
@@ -117,4 +148,7 @@ class GetInfoResponse(_message.Message):
     tensor_parallel_size: int
     gpu_memory_utilization: float
     enforce_eager: bool
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ...) -> None: ...
+    weight_transfer: str
+    activity: EngineActivity
+    run_id: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...

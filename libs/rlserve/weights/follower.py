@@ -1,15 +1,24 @@
-"""A rollout replica's side of the weight store: follow the newest publication.
+"""A rollout replica's side of weight sync: direct transfers from the learner, catch-up from the store.
 
-A handle call reaches one replica, so weights are not pushed to replicas:
-the learner publishes a version in the store (`store.py`) and every replica
-pulls the newest publication before it serves its next request, and before
-it serves at all when it (re)starts. Every update is validated against the
-served model's checkpoint layout before the engine sees it (a failed reload
-can leave vLLM broken), and the old weights keep serving on any error.
+The replica joins the weight store's fleet (`store.py`) and long-polls its
+mailbox. Two things arrive there:
+
+- The steps of a direct transfer (vLLM's weight-transfer API, driven by the
+  learner): init, start, update, finish, abort. Each is checked and handed to
+  the engine, which pauses, loads and resumes as the engine sees fit.
+- Notices of new publications. A replica that already holds that version (it
+  came directly) ignores it; any other loads it from the store: a replica that
+  started late, restarted, or lost its link during a transfer.
+
+Every update is validated against the served model's checkpoint layout before
+the engine sees it (a failed reload can leave vLLM broken); the old weights
+keep serving on any error. A replica also loads the newest publication
+before it serves at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -22,11 +31,13 @@ import torch
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine
 from rlserve.rpc import RpcError, failed_precondition, invalid_argument, unavailable
-from rlserve.threads import in_thread_to_the_end
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
-from rlserve.weights.store import Publication
+from rlserve.weights.store import Command, Member, Publication
 
 log = logging.getLogger("rlserve.rollout")
+# How long one long poll of the mailbox waits (a member polls again at once; see MEMBER_LEASE_S).
+POLL_S = 5.0
+TOKEN_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -39,45 +50,167 @@ class Applied:
 
 
 class WeightFollower:
-    """Keeps one engine on the newest publication of one store. Callers serialise the calls."""
-
     def __init__(self, store: ray.actor.ActorHandle, engine: RolloutEngine, specs: dict[str, TensorSpec],
-                 replica_id: str):
+                 replica_id: str, transfer_timeout_s: float):
         self.store, self.engine, self.specs, self.replica_id = store, engine, specs, replica_id
+        self.transfer_timeout_s = transfer_timeout_s
         self.publish_id = 0
         self.run_id = ""
-        self.version = 0
+        self._direct: dict[str, Any] = {}  # the direct transfer in progress: run, started
+        self._listener: asyncio.Task | None = None
+        self._loading = asyncio.Lock()
 
-    def catch_up(self) -> None:
-        """At start: load the newest publication, if any (blocking); an unusable one is skipped with a warning."""
-        latest = ray.get(self.store.latest.remote())
-        if latest is None:
-            return
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the newest publication (an unusable one is skipped with a warning), then join the fleet."""
+        await self._join()
         try:
-            self.apply(latest)
+            await self._catch_up()
         except RpcError as err:  # serve the deployed weights until the next publication
-            self.publish_id = latest.publish_id
-            event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id,
-                  version=latest.version, error=err.message)
+            self.publish_id = (await self.store.head.remote())[0]
+            event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id, error=err.message)
+        self._listener = asyncio.create_task(self._listen())
 
-    async def sync(self) -> None:
-        """Move to the newest publication if this replica is behind."""
-        head = await self.store.head.remote()
-        if head is not None and head[0] > self.publish_id:
-            pub = await self.store.latest.remote()
-            await in_thread_to_the_end(self.apply, pub)
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+        await self.store.leave.remote(self.replica_id)
 
-    async def update_to(self, version: int) -> Applied | None:
-        """Load `version`, which must be the newest publication; None when it is already loaded."""
-        pub = await self.store.latest.remote()
-        if pub is None or pub.version != version:
-            have = "nothing" if pub is None else f"version {pub.version}"
-            raise failed_precondition(f"version {version} is not the newest publication ({have})")
-        if pub.publish_id == self.publish_id:
+    async def _join(self) -> None:
+        # Big enough to live in the shared object store (small objects are copied inline, and
+        # would not be lost with this process): the store's sign that this replica is alive.
+        self._token = ray.put(bytes(TOKEN_BYTES))
+        await self.store.join.remote(Member(self.replica_id, self.engine.transfer_backend,
+                                            self.engine.num_transfer_workers, (self._token,)))
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                cmd = await self.store.next_command.remote(self.replica_id, POLL_S)
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, KeyError):  # dropped (or a new store): join again, then catch up
+                    await self._join()
+                    await self._catch_up()
+                    continue
+                raise
+            except ray.exceptions.RayActorError:  # the store restarts; poll again shortly
+                await asyncio.sleep(1.0)
+                continue
+            if cmd is None:
+                self._expire_direct()
+                continue
+            error = await self._handle(cmd)
+            if cmd.kind != "published":
+                await self.store.reply.remote(self.replica_id, cmd.seq, error)
+
+    async def _handle(self, cmd: Command) -> str | None:
+        try:
+            if cmd.kind == "published":
+                await self._catch_up()
+            else:
+                await self._transfer_step(cmd.kind, cmd.payload)
             return None
-        return await in_thread_to_the_end(self.apply, pub)
+        except Exception as err:  # noqa: BLE001 - reported to the sender; the replica keeps serving
+            message = err.message if isinstance(err, RpcError) else f"{type(err).__name__}: {err}"
+            event(log, "rollout.weight_command_failed", logging.WARNING, replica=self.replica_id, command=cmd.kind,
+                  error=message[:300])
+            return message
 
-    async def publish_folder(self, path: Path, version: int, force: bool) -> None:
+    # --- direct transfer ------------------------------------------------------------------------
+
+    async def _transfer_step(self, kind: str, payload: dict) -> None:
+        engine = self.engine
+        if kind == "init":
+            await engine.init_weight_transfer(payload["init_info"])
+        elif kind == "start":
+            await engine.start_weight_update(payload["in_flight"])
+            self._direct = {"run_id": payload["run_id"], "started": time.monotonic()}
+        elif kind == "update":
+            problems = check_update(self.specs, {n: TensorSpec(tuple(s), getattr(torch, d)) for n, d, s in zip(
+                payload["update_info"]["names"], payload["update_info"]["dtype_names"],
+                payload["update_info"]["shapes"])})
+            if problems:
+                await self._abort()
+                raise invalid_argument("weights", "; ".join(problems[:5]))
+            await engine.update_weights(payload["update_info"])
+        elif kind == "finish":
+            t0 = time.perf_counter()
+            self._direct = {}
+            await engine.finish_weight_update(payload["version"], payload["in_flight"])
+            self.run_id = payload["run_id"]
+            event(log, "rollout.weights_applied", replica=self.replica_id, run=self.run_id or None,
+                  version=payload["version"], source="direct", apply_s=time.perf_counter() - t0)
+        elif kind == "abort":
+            await self._abort()
+        else:
+            raise invalid_argument("command", f"unknown weight command {kind!r}")
+
+    async def _abort(self) -> None:
+        self._direct = {}
+        await self.engine.abort_weight_update()
+
+    def _expire_direct(self) -> None:
+        """A direct round whose sender went quiet past the time-out is aborted (its buffers freed)."""
+        started = self._direct.get("started")
+        if started is not None and time.monotonic() - started > self.transfer_timeout_s:
+            event(log, "rollout.weight_transfer_expired", logging.WARNING, replica=self.replica_id)
+            asyncio.create_task(self._abort())
+
+    # --- from the store ---------------------------------------------------------------------------
+
+    async def _catch_up(self) -> None:
+        """Load the newest publication unless it is what this replica serves already."""
+        async with self._loading:
+            pub = await self.store.latest.remote()
+            if pub is None or pub.publish_id <= self.publish_id:
+                return
+            if (pub.run_id, pub.version) == (self.run_id, self.version):
+                self.publish_id = pub.publish_id  # it came directly
+                return
+            await self._apply(pub, pub.in_flight)
+
+    async def sync(self, min_version: int) -> None:
+        """Before a request: catch up from the store if this replica is behind it (a newer publication
+        than it holds, whatever the version numbers: a new run starts again at version 0) or serves an
+        older version than the request needs. The store's notice of each publication does the same,
+        but it may arrive after the request.
+
+        The load is shielded: a caller that gives up must not stop it between pause and resume. A
+        publication that cannot be loaded (its buckets died with the learner session that put them)
+        leaves this replica behind: the caller sees that and answers ABORTED, since only a new
+        publication (the run's recovery) can help.
+        """
+        head = await self.store.head.remote()
+        if (head is not None and head[0] > self.publish_id) or self.version < min_version:
+            try:
+                await asyncio.shield(self._catch_up())
+            except RpcError as err:
+                event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id,
+                      error=err.message)
+
+    async def update_to(self, version: int, in_flight: bool) -> Applied | None:
+        """Load `version`, which must be the newest publication; None when it is already loaded."""
+        return await asyncio.shield(self._update_to(version, in_flight))
+
+    async def _update_to(self, version: int, in_flight: bool) -> Applied | None:
+        async with self._loading:
+            pub = await self.store.latest.remote()
+            if pub is None or pub.version != version:
+                have = "nothing" if pub is None else f"version {pub.version}"
+                raise failed_precondition(f"version {version} is not the newest publication ({have})")
+            if pub.publish_id == self.publish_id:
+                return None
+            if (pub.run_id, pub.version) == (self.run_id, self.version):
+                self.publish_id = pub.publish_id  # it came directly
+                return None
+            return await self._apply(pub, in_flight)
+
+    async def publish_folder(self, path: Path, version: int, force: bool, in_flight: bool) -> None:
         """Publish a folder of HF-named safetensors (checked first), so that every replica moves to it."""
         if not any(path.glob("*.safetensors")):
             raise invalid_argument("safetensors_path", f"{path}: no *.safetensors files")
@@ -88,16 +221,17 @@ class WeightFollower:
         if problems:
             raise invalid_argument("safetensors_path", "; ".join(problems[:5]))
         num_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        await self.store.publish.remote(self.run_id, version, [], len(self.specs), num_bytes, str(path))
+        await self.store.publish.remote(self.run_id, version, [], len(self.specs), num_bytes, in_flight,
+                                        str(path))
 
-    def apply(self, pub: Publication) -> Applied:
-        """Fetch, validate, then load one publication."""
+    async def _apply(self, pub: Publication, in_flight: bool) -> Applied:
+        """Fetch, validate, then load one publication (the caller holds `_loading`)."""
         t0 = time.perf_counter()
         if pub.safetensors_path:
             got = checkpoint_specs(pub.safetensors_path)
             tensors = None
         else:
-            tensors = self._fetch(pub)
+            tensors = await self._fetch(pub)
             got = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in tensors.items()}
         problems = check_update(self.specs, got)
         if problems:
@@ -105,24 +239,24 @@ class WeightFollower:
         t1 = time.perf_counter()
         try:
             if tensors is None:
-                self.engine.load_weights_from_path(Path(pub.safetensors_path))
+                await self.engine.load_weights_from_path(Path(pub.safetensors_path), pub.version, in_flight)
             else:
-                self.engine.load_weights(tensors.items())
+                await self.engine.load_weights(list(tensors.items()), pub.version, in_flight)
         except ValueError as err:
             raise failed_precondition(str(err)) from None
         t2 = time.perf_counter()
-        self.publish_id, self.run_id, self.version = pub.publish_id, pub.run_id, pub.version
+        self.publish_id, self.run_id = pub.publish_id, pub.run_id
         event(log, "rollout.weights_applied", replica=self.replica_id, run=pub.run_id or None,
-              version=pub.version, tensors=len(got), fetch_s=t1 - t0, apply_s=t2 - t1)
+              version=pub.version, source="store", tensors=len(got), fetch_s=t1 - t0, apply_s=t2 - t1)
         return Applied(pub.version, len(got), pub.num_bytes, t1 - t0, t2 - t1)
 
     @staticmethod
-    def _fetch(pub: Publication) -> dict[str, torch.Tensor]:
+    async def _fetch(pub: Publication) -> dict[str, torch.Tensor]:
         tensors: dict[str, Any] = {}
         try:
-            for bucket in ray.get(pub.bucket_refs):
+            for bucket in await asyncio.gather(*pub.bucket_refs):
                 tensors.update(bucket)
         except ray.exceptions.RayError as err:
-            raise unavailable(f"weights of version {pub.version} are no longer in the object store "
-                              f"(the learner that published them is gone): {type(err).__name__}") from None
+            raise unavailable(f"weights of version {pub.version} are no longer in the object store: "
+                              f"{type(err).__name__}") from None
         return tensors

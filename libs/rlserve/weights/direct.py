@@ -1,0 +1,279 @@
+"""The learner's side of weight sync: send each version straight to every engine, keep one store copy.
+
+`Publisher.publish` walks the backend's export once (every learner rank
+walks it: the gathers are collective; rank 0 gets the tensors). On rank 0
+each tensor goes
+
+- to every rollout engine through vLLM's weight-transfer API
+  (`WeightTransferTrainerFactory.trainer_init` with the engine the replicas
+  run: `gloo`, `nccl` or `ipc`; `FleetClient` reaches the replicas through the
+  weight store's fleet), and
+- into the object store, bucket by bucket: the one copy that replicas
+  starting later catch up from (published in the weight store).
+
+Rank 0 holds at most a bucket of tensors for each of the two at a time, never
+the model. The first version of a session goes through the store only: the
+transfer needs the tensors' names, dtypes and shapes up front, and the export
+order is learned from that first walk without any extra gather.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from rlserve.learner.interfaces import LearnerBackend
+from rlserve.logs import event
+from rlserve.weights.buckets import tensor_bytes
+from rlserve.weights.store import Member
+
+log = logging.getLogger("rlserve.learner")
+
+
+class FleetClient:
+    """vLLM's `VLLMWeightSyncClient` over the weight store's fleet: every call reaches every member.
+
+    Members that fail a step (or stop answering) are dropped from the rest of
+    the round instead of failing it; they catch up from the store copy.
+    """
+
+    def __init__(self, store: ray.actor.ActorHandle, members: list[Member], timeout_s: float):
+        self.store, self.members, self.timeout_s = store, members, timeout_s
+        self.first_rank: dict[str, int] = {}
+        rank = 0
+        for m in members:
+            self.first_rank[m.member_id] = rank
+            rank += m.num_workers
+        self.failed: dict[str, str] = {}
+        self.round: dict[str, Any] = {}
+
+    def begin(self, run_id: str, version: int, in_flight: bool) -> None:
+        self.round = {"run_id": run_id, "version": version, "in_flight": in_flight}
+
+    def live_ranks(self) -> list[int]:
+        """Group ranks (after the sender's 0) of the members still in the round."""
+        return [1 + self.first_rank[m.member_id] + w for m in self.members if m.member_id not in self.failed
+                for w in range(m.num_workers)]
+
+    def _fan_out(self, kind: str, payload: dict[str, dict]) -> None:
+        live = {mid: p for mid, p in payload.items() if mid not in self.failed}
+        if not live:
+            return
+        results = ray.get(self.store.command.remote(kind, live, self.timeout_s))
+        for member_id, error in results.items():
+            if error is not None:
+                self.failed[member_id] = f"{kind}: {error}"
+                event(log, "learner.weight_transfer_member_failed", logging.WARNING, member=member_id,
+                      step=kind, error=error[:300])
+        if all(mid in self.failed for mid in live):
+            raise RuntimeError(f"every rollout replica failed the weight-transfer step {kind!r}: "
+                               f"{sorted(set(self.failed.values()))[:3]}")
+
+    def _each(self, payload: dict) -> dict[str, dict]:
+        return {m.member_id: payload for m in self.members}
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._fan_out("init", {m.member_id: {"init_info": {
+            **init_info, "rank_offset": init_info.get("rank_offset", 1) + self.first_rank[m.member_id]}}
+            for m in self.members})
+
+    def start_weight_update(self) -> None:
+        self._fan_out("start", self._each({"in_flight": self.round["in_flight"], "run_id": self.round["run_id"]}))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._fan_out("update", self._each({"update_info": update_info}))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        del weight_version  # the round's version is stamped by each engine
+        self._fan_out("finish", self._each(self.round))
+
+    def abort(self) -> None:
+        self._fan_out("abort", self._each({}))
+
+
+class StoreCopy:
+    """Buckets of exported tensors put in the object store (one copy), for the weight store to publish."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.refs: list[ray.ObjectRef] = []
+        self.num_tensors = self.num_bytes = 0
+        self._bucket: dict[str, torch.Tensor] = {}
+        self._size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor_bytes(tensor)
+        if self._bucket and self._size + nbytes > self.bucket_bytes:
+            self.flush()
+        self._bucket[name] = tensor
+        self._size += nbytes
+        self.num_tensors += 1
+        self.num_bytes += nbytes
+
+    def flush(self) -> None:
+        if self._bucket:
+            self.refs.append(ray.put(self._bucket))
+            self._bucket, self._size = {}, 0
+
+
+class ExportSource:
+    """vLLM's `WeightSource` over a learner backend's export, copying each tensor to the store.
+
+    Each round (`begin`) is one walk of the export. `metadata()` is what the
+    previous walk yielded: the export order is fixed for a session.
+    """
+
+    def __init__(self, backend: LearnerBackend):
+        self.backend = backend
+        self.known: list | None = None
+        self._dtype: torch.dtype | None = None
+        self._copy: StoreCopy | None = None
+        self._walk: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._seen: list = []
+        self._complete = False
+
+    def begin(self, dtype: torch.dtype | None, copy: StoreCopy) -> None:
+        self._dtype, self._copy, self._seen, self._complete = dtype, copy, [], False
+        self._walk = self._tensors()
+
+    def metadata(self) -> list:
+        if self.known is None:
+            raise RuntimeError("the export order is not known yet (the first version goes through the store)")
+        return self.known
+
+    def held_names(self) -> None:
+        return None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._walk
+
+    def finish(self) -> None:
+        """Walk the rest of this round (the gathers are collective: every rank must walk all of it)."""
+        for _ in self._walk:
+            pass
+        if not self._complete:
+            raise RuntimeError("the weight export stopped before its end")
+        self.known = self._seen
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        for name, tensor in self.backend.export_weights(self._dtype):
+            self._seen.append(ParamMeta(name, tensor.dtype, tuple(tensor.shape)))
+            self._copy.add(name, tensor)
+            yield name, tensor
+        self._copy.flush()
+        self._complete = True
+
+
+@dataclass
+class Published:
+    version: int
+    num_buckets: int
+    num_tensors: int
+    num_bytes: int  # one copy of the model in the export dtype
+    seconds: float
+    direct_bytes: int = 0  # bytes sent to engines (all of them together)
+    receivers: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class Publisher:
+    """Rank 0's weight sync for one learner session (keeps the transfer group between versions)."""
+
+    def __init__(self, backend: LearnerBackend, store: ray.actor.ActorHandle, bucket_bytes: int,
+                 timeout_s: float):
+        self.backend, self.store, self.bucket_bytes, self.timeout_s = backend, store, bucket_bytes, timeout_s
+        self.source = ExportSource(backend)
+        self._engine = None
+        self._client: FleetClient | None = None
+        self._group_key: tuple | None = None
+        self._generation = 0
+
+    def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool) -> Published:
+        t0 = time.perf_counter()
+        copy = StoreCopy(self.bucket_bytes)
+        self.source.begin(dtype, copy)
+        version = self.backend.version
+        out = Published(version, 0, 0, 0, 0.0)
+        members = self._receivers() if direct and self.source.known is not None else []
+        if members:
+            try:
+                engine = self._ensure_group(members)
+                self._client.begin(run_id, version, in_flight)
+                engine.send_weights()
+                out.direct_bytes, out.receivers = engine.bytes_sent, len(members)
+                out.failed = dict(self._client.failed)
+                out.failed.update({f"rank {r}": "link lost" for r in getattr(engine, "failed_ranks", ())})
+            except Exception as err:  # noqa: BLE001 - the store copy below still reaches every replica
+                out.failed = {"all": f"{type(err).__name__}: {err}"}
+                event(log, "learner.weight_transfer_failed", logging.WARNING, version=version,
+                      error=str(err)[:300])
+                if self._client is not None:
+                    self._client.abort()
+            if out.failed:
+                self._group_key = None  # re-form the group next time
+        self.source.finish()
+        ray.get(self.store.publish.remote(run_id, version, copy.refs, copy.num_tensors, copy.num_bytes, in_flight))
+        out.num_buckets, out.num_tensors, out.num_bytes = len(copy.refs), copy.num_tensors, copy.num_bytes
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _receivers(self) -> list[Member]:
+        generation, members = ray.get(self.store.members.remote())
+        direct = [m for m in members if m.transfer_backend]
+        backends = {m.transfer_backend for m in direct}
+        if len(backends) > 1:
+            event(log, "learner.weight_transfer_mixed_engines", logging.WARNING, engines=sorted(backends))
+            return []
+        self._generation = generation
+        return direct
+
+    def _ensure_group(self, members: list[Member]):
+        """The trainer-side transfer engine for these members, formed anew when they changed."""
+        key = (self._generation, tuple(m.member_id for m in members))
+        if key == self._group_key:
+            self._client.failed.clear()
+            return self._engine
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+        from rlserve.weights import gloo_transfer
+
+        gloo_transfer.register()
+        if self._engine is not None:
+            self._engine.shutdown()
+        self._client = FleetClient(self.store, members, self.timeout_s)
+        world_size = 1 + sum(m.num_workers for m in members)
+        info = trainer_init_info(members[0].transfer_backend, world_size, self.bucket_bytes, self.timeout_s)
+        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=self.source)
+        self._group_key = key
+        event(log, "learner.weight_transfer_group", engine=members[0].transfer_backend, receivers=len(members),
+              world_size=world_size)
+        return self._engine
+
+
+def trainer_init_info(backend: str, world_size: int, bucket_bytes: int, timeout_s: float):
+    """vLLM's trainer init info for `backend`, rank 0 sending (the only place engine names differ)."""
+    from rlserve.weights.gloo_transfer import GlooTrainerInitInfo, bind_address
+
+    if backend == "gloo":
+        return GlooTrainerInitInfo(rank=0, world_size=world_size, session=uuid.uuid4().hex,
+                                   bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        from vllm.utils.network_utils import get_open_port
+
+        return NCCLTrainerInitInfo(rank=0, master_address=bind_address(), master_port=get_open_port(),
+                                   world_size=world_size)
+    if backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        return IPCTrainerInitInfo(rank=0)
+    raise ValueError(f"unknown weight-transfer engine {backend!r}; valid: gloo, nccl, ipc")

@@ -1,0 +1,176 @@
+"""Direct weight transfer and in-flight updates on the real cluster.
+
+The learner sends a new version straight to both rollout replicas through
+vLLM's weight-transfer API (the project's gloo engine) while a long
+generation runs there: the generation completes, its samples name both
+versions, and every token's logprob is the learner's under the version that
+generated it. A replica killed in the middle of a transfer comes back on the
+newest version (from the weight store's copy) and the other one is not held up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+from ray import serve
+
+from rlserve.models import resolve_model
+from rlserve.reference.scorer import ReferenceScorer, Sequence
+from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlserve.weights.store import DEFAULT_STORE_NAME, STORE_NAMESPACE
+
+RUN = "in-flight-test"
+PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]
+TOKENS = 110  # the test cluster's max_model_len is 128
+SFT_BATCH = [learner_pb2.TrainSequence(token_ids=[8, 11, 41, 12, 9, 47, 6, 7, 5, 2], prompt_length=6)] * 8
+
+
+def long_generate(stub, n: int, seed: int) -> rollout_pb2.GenerateResponse:
+    return stub.Generate(rollout_pb2.GenerateRequest(
+        prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in PROMPTS], num_samples=n,
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=TOKENS, min_new_tokens=TOKENS, seed=seed)), timeout=600)
+
+
+class Background(threading.Thread):
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.result, self.error = fn, args, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as err:  # noqa: BLE001 - re-raised by get()
+            self.error = err
+
+    def get(self, timeout: float = 600):
+        self.join(timeout)
+        assert not self.is_alive(), "timed out"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
+    seen = {}
+    for _ in range(calls):
+        info = stub.GetInfo(rollout_pb2.GetInfoRequest())
+        seen[info.replica_id] = (info.run_id, info.weight_version)
+    return seen
+
+
+def wait_until_generating(stub, jobs: list[Background]) -> None:
+    """A replica reports requests running (the generation is in the engine). Serve routes GetInfo to
+    the least busy replica, so `jobs` must keep both replicas busy for this to see it."""
+    deadline = time.time() + 60
+    while stub.GetInfo(rollout_pb2.GetInfoRequest()).activity.requests_running == 0:
+        if not any(job.is_alive() for job in jobs):
+            jobs[0].get()  # raises its error, if any
+            raise AssertionError("the generation ended before a replica reported it running")
+        assert time.time() < deadline, "the generation did not start"
+        time.sleep(0.05)
+
+
+def wait_for_versions(stub, version: int, timeout_s: float = 240) -> dict[str, tuple[str, int]]:
+    """Both replicas serve `version` of this test's run."""
+    deadline = time.time() + timeout_s
+    while True:
+        status = serve.status().applications["rollout"]
+        versions = replica_versions(stub) if status.status == "RUNNING" else {}
+        if len(versions) == 2 and set(versions.values()) == {(RUN, version)}:
+            return versions
+        assert time.time() < deadline, f"replicas are not on version {version}: {versions} ({status.status})"
+        time.sleep(1)
+
+
+def logprob_errors(resp: rollout_pb2.GenerateResponse, model_dir) -> list[list[float]]:
+    seqs, lps = [], []
+    for c in resp.completions:
+        for s in c.samples:
+            seqs.append(Sequence(list(c.prompt_token_ids) + list(s.token_ids), len(c.prompt_token_ids)))
+            lps.append(list(s.logprobs))
+    ref = ReferenceScorer(model_dir).logprobs(seqs)
+    return [[abs(a - b) for a, b in zip(r, g)] for r, g in zip(ref, lps)]
+
+
+@pytest.fixture(scope="module")
+def learner(channel):
+    stub = learner_pb2_grpc.LearnerStub(channel)
+    spec = "policy: {max_total_sequence_length: 64, generation: {max_new_tokens: 8}}"
+    stub.Configure(learner_pb2.ConfigureRequest(run_id=RUN, spec_yaml=spec))
+    return stub
+
+
+def train_and_export(learner, version: int, in_flight: bool) -> Background:
+    learner.TrainStep(learner_pb2.TrainStepRequest(run_id=RUN, loss=learner_pb2.LOSS_KIND_SFT, sequences=SFT_BATCH,
+                                                   learning_rate=1e-2, expected_weight_version=version - 1))
+    return Background(lambda: learner.ExportWeights(learner_pb2.ExportWeightsRequest(
+        run_id=RUN, direct=True, in_flight=in_flight), timeout=600))
+
+
+def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learner, test_cluster):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    first = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id=RUN, direct=True))
+    assert first.weight_version == 0 and first.receivers == 0  # a session's first version: the store copy only
+    wait_for_versions(stub, 0)
+
+    running = [Background(long_generate, stub, 32, seed) for seed in (5, 6)]  # one on each replica
+    wait_until_generating(stub, running)
+    exported = train_and_export(learner, 1, in_flight=True).get()
+    assert exported.weight_version == 1 and exported.receivers == 2 and not exported.failed
+    assert exported.direct_bytes == 2 * exported.num_bytes  # once to each replica, no copy through the store
+    responses = [job.get() for job in running]
+    assert all(r.weight_version == 0 for r in responses)  # the oldest version in each response
+
+    samples = [s for resp in responses for c in resp.completions for s in c.samples]
+    assert all(len(s.token_ids) == TOKENS and s.finish_reason == common_pb2.FINISH_REASON_LENGTH for s in samples)
+    runs = [[(r.version, r.start, r.end) for r in s.version_runs] for s in samples]
+    mixed = [r for r in runs if len(r) == 2]
+    assert mixed, f"the update should land while the samples were generating: {runs[:3]}"
+    assert all(r[0][0] == 0 and r[1][0] == 1 and r[0][2] == r[1][1] and r[1][2] == TOKENS for r in mixed)
+
+    # Checkpoints and exports go inside the runs directory (relative paths are taken from there).
+    v1 = test_cluster.runs_dir / RUN / "v1"
+    learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id=RUN, path=f"{RUN}/ckpt", hf_path=str(v1)))
+    errors = {0: [e for r in responses for e in logprob_errors(r, resolve_model("preset:tiny"))],
+              1: [e for r in responses for e in logprob_errors(r, v1)]}
+    for k, sample_runs in enumerate(runs):
+        for version, start, end in sample_runs:
+            assert max(errors[version][k][start:end]) < 1e-4, (k, version, start, end)
+    k = runs.index(mixed[0])
+    switch = mixed[0][1][1]
+    assert max(errors[0][k][switch:]) > 1e-3  # the new weights really differ from the old
+
+
+def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(channel, learner):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    store = ray.get_actor(DEFAULT_STORE_NAME, namespace=STORE_NAMESPACE)
+    wait_for_versions(stub, 1)
+    # Without in-flight updates each replica finishes its running requests before loading, which
+    # holds the transfer at its last step long enough to kill a replica in it.
+    running = [Background(long_generate, stub, 32, seed) for seed in (1, 2, 3, 4)]
+    wait_until_generating(stub, running)
+    export = train_and_export(learner, 2, in_flight=False)
+    deadline = time.time() + 120
+    while True:
+        pending = ray.get(store.pending.remote())
+        waiting = [m for m, kinds in pending.items() if "finish" in kinds]
+        if waiting:
+            break
+        assert time.time() < deadline and export.is_alive(), f"the transfer never waited at finish: {pending}"
+        time.sleep(0.02)
+    victim = waiting[0]
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == "serve" and "rollout" in a["name"] and victim in a["name"]]
+    ray.kill(ray.get_actor(actors[0]["name"], namespace="serve"), no_restart=True)
+
+    exported = export.get()
+    assert exported.weight_version == 2 and exported.receivers == 2
+    assert any(victim in f for f in exported.failed), exported.failed
+    for job in running:  # requests on the killed replica fail; the others complete on version 1
+        job.join(600)
+    versions = wait_for_versions(stub, 2)
+    assert victim not in versions
