@@ -50,6 +50,15 @@ def sync_time(fn, steps: int, warmup: int = 2) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def init_one_gpu() -> None:
+    """GPU 0 and a world-size-1 process group (the backends expect one), with no TCP listener."""
+    from rlserve.training.distributed import init_process_group
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.cuda.set_device(0)
+    init_process_group(0, 1, f"file://{tempfile.mktemp()}", torch.device("cuda", 0))
+
+
 def matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -164,11 +173,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from rlserve.training.distributed import init_process_group
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.cuda.set_device(0)
-    init_process_group(0, 1, f"file://{tempfile.mktemp()}", torch.device("cuda", 0))
+    init_one_gpu()
     peak = matmul_tflops()
     copies = copy_bandwidths()
     path = model_folder(args.preset)

@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 import torch  # noqa: E402
 
 from rlserve.training.batch import TrainBatch  # noqa: E402
-from scripts.bench.learner_gpu import matmul_tflops, model_folder, sync_time  # noqa: E402
+from scripts.bench.learner_gpu import init_one_gpu, matmul_tflops, model_folder, sync_time  # noqa: E402
 
 SIGMA = 0.8
 
@@ -200,11 +199,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from rlserve.training.distributed import init_process_group
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.cuda.set_device(0)
-    init_process_group(0, 1, f"file://{tempfile.mktemp()}", torch.device("cuda", 0))
+    init_one_gpu()
     peak = matmul_tflops()
     torch.cuda.empty_cache()
     path = model_folder(args.preset)

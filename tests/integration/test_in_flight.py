@@ -18,9 +18,9 @@ import ray
 from ray import serve
 
 from rlserve.models import resolve_model
-from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from rlserve.weights.store import DEFAULT_STORE_NAME, STORE_NAMESPACE
+from tests.integration.rollout_support import logprob_errors
 
 RUN = "in-flight-test"
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]
@@ -84,16 +84,6 @@ def wait_for_versions(stub, version: int, timeout_s: float = 240) -> dict[str, t
             return versions
         assert time.time() < deadline, f"replicas are not on version {version}: {versions} ({status.status})"
         time.sleep(1)
-
-
-def logprob_errors(resp: rollout_pb2.GenerateResponse, model_dir) -> list[list[float]]:
-    seqs, lps = [], []
-    for c in resp.completions:
-        for s in c.samples:
-            seqs.append(Sequence(list(c.prompt_token_ids) + list(s.token_ids), len(c.prompt_token_ids)))
-            lps.append(list(s.logprobs))
-    ref = ReferenceScorer(model_dir).logprobs(seqs)
-    return [[abs(a - b) for a, b in zip(r, g)] for r, g in zip(ref, lps)]
 
 
 @pytest.fixture(scope="module")

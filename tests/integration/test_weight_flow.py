@@ -14,8 +14,8 @@ from ray import serve
 from rlserve.models import resolve_model
 from rlserve.models.factory import make_model
 from rlserve.models.presets import get_preset
-from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from tests.integration.rollout_support import max_error
 
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7]]
 _version = iter(range(20_000, 30_000))
@@ -25,16 +25,6 @@ def generate(stub, n=4, temperature=1.0, seed=3) -> rollout_pb2.GenerateResponse
     return stub.Generate(rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in PROMPTS], num_samples=n,
         sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed)))
-
-
-def max_error(resp: rollout_pb2.GenerateResponse, model_dir) -> float:
-    seqs, lps = [], []
-    for c in resp.completions:
-        for s in c.samples:
-            seqs.append(Sequence(list(c.prompt_token_ids) + list(s.token_ids), len(c.prompt_token_ids)))
-            lps.append(list(s.logprobs))
-    ref = ReferenceScorer(model_dir).logprobs(seqs)
-    return max(abs(a - b) for r, g in zip(ref, lps) for a, b in zip(r, g))
 
 
 def load(stub, path, version=None) -> rollout_pb2.UpdateWeightsResponse:
