@@ -86,7 +86,7 @@ def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_
     if layout == "packed-ffd":
         packing["algorithm"] = "first_fit_decreasing"
     policy = {"precision": "bfloat16", "max_total_sequence_length": max_len, "train_micro_batch_size": micro_batch,
-              "train_global_batch_size": 100000, "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0,
+              "generation": {"max_new_tokens": 16}, "max_grad_norm": 1.0,
               "sequence_packing": packing}
     if backend == "megatron":
         policy["megatron_cfg"] = {"enabled": True}
