@@ -250,3 +250,37 @@ def test_vllm_loads_the_bpe_tokenizer_and_its_chat_template():
         == ours.prompt_ids(ex)
     assert tok.encode("What is 47+85?", add_special_tokens=False) == ours.encode("What is 47+85?")
     assert tok.eos_token_id == ours.eos_ids[0]
+
+
+def test_the_engine_process_ends_when_its_replica_is_killed(tmp_path):
+    """A replica SIGKILLed (lost node, OOM kill) must not leave vLLM's engine core holding the model."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    ready = tmp_path / "ready"
+    script = ("import pathlib, time\n"
+              "from rlserve.models import resolve_model\n"
+              "from rlserve.rollout import make_engine\n"
+              "from rlserve.rollout.interfaces import EngineConfig\n"
+              "engine = make_engine('vllm', EngineConfig(model_path=resolve_model('preset:tiny')))\n"
+              f"pathlib.Path({str(ready)!r}).touch()\n"
+              "time.sleep(600)\n")
+    replica = subprocess.Popen([sys.executable, "-c", script], env=os.environ)
+    try:
+        deadline = time.time() + 300
+        while not ready.exists():
+            assert replica.poll() is None and time.time() < deadline, "the engine did not start"
+            time.sleep(0.5)
+        engine_procs = psutil.Process(replica.pid).children(recursive=True)
+        assert engine_procs, "AsyncLLM runs its engine core in a child process"
+        replica.send_signal(signal.SIGKILL)
+        replica.wait()
+        _, alive = psutil.wait_procs(engine_procs, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if replica.poll() is None:
+            replica.kill()

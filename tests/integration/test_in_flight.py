@@ -101,7 +101,7 @@ def train_and_export(learner, version: int, in_flight: bool) -> Background:
         run_id=RUN, direct=True, in_flight=in_flight), timeout=600))
 
 
-def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learner, test_cluster):
+def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learner, ray_driver):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     first = learner.ExportWeights(learner_pb2.ExportWeightsRequest(run_id=RUN, direct=True))
     assert first.weight_version == 0 and first.receivers == 0  # a session's first version: the store copy only
@@ -123,7 +123,7 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     assert all(r[0][0] == 0 and r[1][0] == 1 and r[0][2] == r[1][1] and r[1][2] == TOKENS for r in mixed)
 
     # Checkpoints and exports go inside the runs directory (relative paths are taken from there).
-    v1 = test_cluster.runs_dir / RUN / "v1"
+    v1 = ray_driver.runs_dir / RUN / "v1"
     learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id=RUN, path=f"{RUN}/ckpt", hf_path=str(v1)))
     errors = {0: [e for r in responses for e in logprob_errors(r, resolve_model("preset:tiny"))],
               1: [e for r in responses for e in logprob_errors(r, v1)]}
@@ -135,7 +135,7 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     assert max(errors[0][k][switch:]) > 1e-3  # the new weights really differ from the old
 
 
-def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(channel, learner):
+def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(channel, learner, ray_driver):
     stub = rollout_pb2_grpc.RolloutStub(channel)
     store = ray.get_actor(DEFAULT_STORE_NAME, namespace=STORE_NAMESPACE)
     wait_for_versions(stub, 1)
