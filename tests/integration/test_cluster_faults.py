@@ -97,7 +97,10 @@ def test_losing_the_rollout_node_mid_run_loses_nothing(fault_cluster):
     assert not any(ev.kind == pb.EVENT_KIND_RECOVERED for ev in events), "no run state lived on that node"
     assert set(final.ledger.dropped) <= {"zero_advantage"}, final.ledger.dropped
     assert_records_agree(final, events)
-    node_listeners = listeners_of(fault_cluster.cluster.state_dir / "node-rollout-node.pid")
+    deadline, node_listeners = time.time() + 60, []
+    while not node_listeners and time.time() < deadline:  # a listing can miss a process that is starting
+        node_listeners = listeners_of(fault_cluster.cluster.state_dir / "node-rollout-node.pid")
+        time.sleep(0 if node_listeners else 1)
     assert node_listeners and all(is_loopback(c.laddr.ip) for c in node_listeners), node_listeners
     status = subprocess.run([str(REPO / "deploy" / "serve"), "status", str(fault_cluster.cluster_file)],
                             capture_output=True, text=True, timeout=120)
