@@ -244,8 +244,9 @@ class VllmEngine(RolloutEngine):
                 await self.llm.update_weight_version(str(version))
                 self._version = version
             finally:
-                self._paused = False
-                self._activity.resumed()
+                if self._paused:  # the new engine starts unpaused
+                    self._paused = False
+                    self._activity.resumed()
                 self._serving.set()
         if self._rebuilt_from is not None:
             shutil.rmtree(self._rebuilt_from, ignore_errors=True)
