@@ -40,6 +40,11 @@ SPEC = {
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="let every process use every core (default: engine on core 0, the rest on core 1)")
+    parser.add_argument("--max-prompts-in-flight", type=int, default=None, help="streaming modes (default: the spec's)")
+    parser.add_argument("--prompts-per-request", type=int, default=None, help="streaming modes (default: the spec's)")
     parser.add_argument("--modes", nargs="+", default=["sync", "async-1", "stream-1", "async-2", "stream-2"],
                         help="sync, async-AGE (step-level) or stream-AGE (streaming + in-flight updates)")
     args = parser.parse_args()
@@ -57,6 +62,12 @@ def main() -> None:
     cluster_file = root / "cluster.yaml"
     data = yaml.safe_load(default_cluster_file().read_text())
     data.update({"ray_port": 6780, "grpc_port": 9300, "runs_dir": str(root / "runs")})
+    if args.pin:
+        # Separate CPU shares: the vLLM engine's processes on core 0, everything else (learner,
+        # coordinator, reward, the rollout replica that feeds the engine) on core 1.
+        for name, svc in data["services"].items():
+            svc["cpu_cores"] = [1]
+        data["services"]["rollout"]["args"]["cpu_cores"] = [0]
     cluster_file.write_text(yaml.safe_dump(data))
     cluster = Cluster(*load_cluster_file(cluster_file))
     up(cluster)
@@ -70,8 +81,13 @@ def main() -> None:
                 stream = kind == "stream"
                 spec = json.loads(json.dumps(SPEC))
                 spec["grpo"]["max_num_steps"] = args.steps
+                spec["policy"]["generation"]["max_new_tokens"] = args.max_new_tokens
+                spec["policy"]["max_total_sequence_length"] = args.max_new_tokens + 26
                 spec["grpo"]["async_grpo"].update({"max_trajectory_age_steps": int(age or 0), "streaming": stream,
                                                    "in_flight_weight_updates": stream})
+                for key in ("max_prompts_in_flight", "prompts_per_request"):
+                    if stream and getattr(args, key) is not None:
+                        spec["grpo"]["async_grpo"][key] = getattr(args, key)
                 run = client.submit(yaml.safe_dump(spec))
                 steps = [dict(ev.metrics) for ev in client.watch(run.run_id) if ev.kind == pb.EVENT_KIND_STEP]
                 final = client.get(run.run_id)
@@ -86,6 +102,8 @@ def main() -> None:
                 rows.append({"mode": mode, "step_s": step_s,
                              "trajectories_per_s": 64 * 8 / step_s,
                              "engine_idle": statistics.median(idle) if idle else float("nan"),
+                             "completion_tokens_mean": statistics.mean(m["completion/tokens_mean"] for m in timed),
+                             "completion_tokens_max": max(m["completion/tokens_max"] for m in timed),
                              "staleness_mean": statistics.mean(m["batch/staleness_mean"] for m in timed),
                              "mixed_samples": statistics.mean(m["batch/mixed_version_samples"] for m in timed),
                              "weight_sync_s": statistics.median(m["timing/weight_sync_s"] for m in timed),
@@ -96,7 +114,8 @@ def main() -> None:
     base = rows[0]["step_s"]
     for r in rows:
         r["speedup_vs_sync"] = base / r["step_s"]
-    print(table(rows, ["mode", "step_s", "speedup_vs_sync", "trajectories_per_s", "engine_idle", "staleness_mean",
+    print(table(rows, ["mode", "step_s", "speedup_vs_sync", "trajectories_per_s", "engine_idle", "completion_tokens_mean",
+                       "completion_tokens_max", "staleness_mean",
                        "mixed_samples", "weight_sync_s", "train_s", "plumbing_s", "plumbing_share_of_work"]))
     print("wrote", record("async_loop", rows, {"steps": args.steps, "prompts": 64, "samples": 8}))
 

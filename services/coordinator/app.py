@@ -26,6 +26,7 @@ from transformers import AutoConfig
 
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec
+from rlserve.cpu_affinity import pin_from_env
 from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.learner.registry import UnsupportedModel, check_model
@@ -86,6 +87,7 @@ class CoordinatorArgs(BaseModel):
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
+        pin_from_env()
         self.args = CoordinatorArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
         self.plugins = PluginPolicy(self.args.allowed_plugins)

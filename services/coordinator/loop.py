@@ -167,6 +167,15 @@ def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
             "reward/max": rewards.max().item()}
 
 
+def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:
+    """Completion lengths: RL batches are long-tailed, and the longest sample sets a synchronous step's pace."""
+    lengths = [len(c) for g in groups for c in g.completions]
+    if not lengths:
+        return {}
+    return {"completion/tokens_mean": sum(lengths) / len(lengths), "completion/tokens_max": float(max(lengths)),
+            "completion/clipped_fraction": sum(n >= max_new_tokens for n in lengths) / len(lengths)}
+
+
 def engine_idle(ctx: Context) -> dict[str, float]:
     """The rollout engines' idle share since the previous step (replicas that answered in both)."""
     seen, before = dict(ctx.engine_activity), ctx.activity_mark
@@ -198,7 +207,7 @@ async def train_step(ctx: Context, step: int) -> dict[str, float]:
                "batch/mixed_version_samples": float(sum(g.mixed_samples for g in fresh)),
                "batch/version_spread_max": float(max((g.version_spread for g in fresh), default=0)),
                "data/cursor": float(min(g.prompt_index for g in fresh + stale)), "timing/wait_for_rollouts_s": wait_s,
-               **engine_idle(ctx)}
+               **completion_metrics(fresh, spec.policy.generation.max_new_tokens), **engine_idle(ctx)}
 
     # 2. Group-relative advantages; groups whose samples all scored alike carry no signal.
     keep = torch.ones(len(scored), dtype=torch.bool)

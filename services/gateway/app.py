@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rlserve.cluster.deployment import build_app
+from rlserve.cpu_affinity import pin_from_env
 from rlserve.gateway import server
 from rlserve.gateway.methods import RpcMethod
 from rlserve.logs import event, setup_logging
@@ -59,6 +60,7 @@ class GatewayArgs(BaseModel):
 class Gateway:
     async def __init__(self, args: dict | None = None):
         setup_logging()
+        pin_from_env()
         self.args = GatewayArgs.model_validate(args or {})
         auth, tls = self.args.auth, self.args.tls
         tokens = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ray import serve
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlserve import cpu_affinity
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec, SpecError, load_spec
 from rlserve.logs import event, setup_logging
@@ -79,6 +81,7 @@ def batch_from_proto(request: learner_pb2.TrainStepRequest) -> TrainBatch:
 class Learner:
     def __init__(self, args: dict | None = None):
         setup_logging()
+        cpu_affinity.pin_from_env()
         self.args = LearnerArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
         self.session: Session | None = None
@@ -145,7 +148,9 @@ class Learner:
             workers = [LearnerWorker.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cl.torch_threads)}},
+                # The service's cpu_cores (if any) carry on to its workers.
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cl.torch_threads),
+                                          **{k: v for k, v in os.environ.items() if k == cpu_affinity.ENV}}},
             ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
                 for i in range(cl.num_workers)]
             self.session = Session(request.run_id, spec, pg, workers, rendezvous)

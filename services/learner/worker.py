@@ -15,6 +15,7 @@ import ray
 import torch
 
 from rlserve.config import load_spec
+from rlserve.cpu_affinity import pin_from_env
 from rlserve.learner import make_backend
 from rlserve.learner.interfaces import BackendInfo, StepResult
 from rlserve.training.batch import TrainBatch
@@ -28,6 +29,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @ray.remote
 class LearnerWorker:
     def __init__(self, rank: int, world_size: int, init_method: str, device: str, torch_threads: int):
+        pin_from_env()
         torch.set_num_threads(torch_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
         self.rank = rank

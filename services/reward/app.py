@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
+from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
 from rlserve.rewards.loader import CombinedReward, FunctionSpec
 from rlserve.rewards.scoring import score_batch, specs_from_proto
@@ -53,6 +54,7 @@ def _combined(specs: tuple[FunctionSpec, ...]) -> CombinedReward:
 class Reward:
     def __init__(self, args: dict | None = None):
         setup_logging()
+        pin_from_env()
         parsed = RewardArgs.model_validate(args or {})
         self.default = CombinedReward([FunctionSpec.make(f.name, f.import_path, f.weight, f.args)
                                        for f in parsed.functions])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -27,6 +27,9 @@ class ServiceCfg(BaseModel):
     # Custom Ray resources each replica needs, e.g. {rollout_slot: 1}: it then runs only on
     # nodes that offer them (see `nodes`).
     resources: dict[str, float] = {}
+    # CPU cores each replica's process (and the processes it starts: learner workers) runs on; empty:
+    # any. On a CPU-only machine, keep training off the rollout engine's cores (its `args.cpu_cores`).
+    cpu_cores: list[Annotated[int, Field(ge=0)]] = Field([], max_length=4096)
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from rlserve import cpu_affinity
+
 
 class DeploymentArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -23,6 +25,8 @@ class DeploymentArgs(BaseModel):
     # Custom Ray resources per replica (places replicas on the nodes that offer them; the gateway asks
     # for the head node's).
     resources: dict[str, float] = {}
+    # Cores the replica's process pins itself to at start (`rlserve.cpu_affinity`); empty: any.
+    cpu_cores: list[int] = []
     # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
     max_surge_percent: int = Field(100, ge=0, le=100)
 
@@ -30,8 +34,11 @@ class DeploymentArgs(BaseModel):
         actor_options = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.resources:
             actor_options["resources"] = dict(self.resources)
-        if self.env_vars:
-            actor_options["runtime_env"] = {"env_vars": dict(self.env_vars)}
+        runtime_env: dict = {"env_vars": dict(self.env_vars)} if self.env_vars else {}
+        if self.cpu_cores:
+            runtime_env.setdefault("env_vars", {})[cpu_affinity.ENV] = ",".join(map(str, self.cpu_cores))
+        if runtime_env:
+            actor_options["runtime_env"] = runtime_env
         return deployment.options(num_replicas=self.num_replicas, ray_actor_options=actor_options,
                                   max_surge_percent=self.max_surge_percent)
 

@@ -25,6 +25,9 @@ class TransformersEngine(BatchEngine):
     def __init__(self, cfg: EngineConfig):
         from transformers import AutoTokenizer
 
+        if cfg.cpu_cores:
+            raise ValueError("cpu_cores: the transformers engine runs inside the rollout replica; "
+                             "pin the replica with services.rollout.cpu_cores instead")
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_causal_lm(cfg.model_path, _DTYPES[cfg.dtype]).to(self.device)

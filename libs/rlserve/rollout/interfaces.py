@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,6 +49,10 @@ class EngineSettings(BaseModel):
     # rlserve), "nccl" (GPUs on different processes), "ipc" (learner and engine share a GPU); "none"
     # takes weights only from the weight store.
     weight_transfer: Literal["gloo", "nccl", "ipc", "none"] = "gloo"
+    # vLLM on CPU: the cores its engine process and workers run on (vLLM's OpenMP threads bind to
+    # them); empty: vLLM's automatic binding. Give the learner other cores (`services.learner.cpu_cores`)
+    # so generation and training overlap instead of contending.
+    cpu_cores: tuple[Annotated[int, Field(ge=0)], ...] = Field((), max_length=4096)
 
 
 class EngineConfig(EngineSettings):

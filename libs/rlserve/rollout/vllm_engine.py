@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from rlserve.cpu_affinity import children_on
 from rlserve.logs import event
 from rlserve.rollout.activity import Activity
 from rlserve.rollout.interfaces import (
@@ -65,6 +66,14 @@ _STAGED_TRANSFER = {"gloo"}
 _WORKER_EXTENSION = "rlserve.rollout.vllm_worker.RlserveWorkerExtension"
 # Where weights from the weight store are written for the engine process to read (memory-backed).
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+def _omp_bind(cores: tuple[int, ...], workers: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND: `cores` split evenly over the workers, "0,1|2,3"."""
+    per_worker = len(cores) // workers
+    if per_worker < 1:
+        raise ValueError(f"cpu_cores: {len(cores)} cores for {workers} workers (tensor_parallel_size)")
+    return "|".join(",".join(map(str, cores[r * per_worker:(r + 1) * per_worker])) for r in range(workers))
 
 
 def _version_of(label: str) -> int:
@@ -104,6 +113,13 @@ class VllmEngine(RolloutEngine):
         self._serving.set()
 
     def _start(self, model: Path):
+        cores = () if torch.cuda.is_available() else self.cfg.cpu_cores
+        if cores:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _omp_bind(cores, self.cfg.tensor_parallel_size)
+        with children_on(cores, "cpu_cores"):  # the engine process, and the workers it starts
+            return self._start_engine(model)
+
+    def _start_engine(self, model: Path):
         from vllm.config import WeightTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -129,6 +145,9 @@ class VllmEngine(RolloutEngine):
             distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else None,
             **cpu_scheduling,
             worker_extension_cls=_WORKER_EXTENSION,
+            # vLLM's own stat loggers are unused (the engine reports `Activity`); computing them costs
+            # the replica per-step work for every request.
+            disable_log_stats=True,
             weight_transfer_config=WeightTransferConfig(backend=self.transfer_backend) if self.transfer_backend else None,
         ))
 
@@ -164,6 +183,9 @@ class VllmEngine(RolloutEngine):
             seed=None if sampling.seed is None else sampling.seed + index,
             logprobs=0,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            # Incremental detokenisation costs the replica a tokenizer call per token and step; without
+            # stop strings one decode of the finished sample (`_sample`) gives the same text.
+            detokenize=bool(sampling.stop_strings),
         )
         final = None
         await self._serving.wait()
@@ -181,7 +203,8 @@ class VllmEngine(RolloutEngine):
         spans = o.weight_versions or []
         runs = tuple(VersionRun(_version_of(s.version), s.start, s.end) for s in spans) or \
             (VersionRun(self._version, 0, len(ids)),)
-        return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), o.text, runs)
+        text = o.text if o.text or not ids else self._tokenizer.decode(ids, skip_special_tokens=True)
+        return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), text, runs)
 
     # --- weight updates ----------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""Pinning processes to CPU cores, for clusters that generate and train on the same CPUs.
+
+On a CPU-only machine the rollout engine and the learner compete for the same cores: a
+busy engine slows training and the other way round, and vLLM's engine process spins while
+it waits for its worker. Giving each its own cores (`services.<name>.cpu_cores` in the
+cluster file, `cpu_cores` in the rollout engine's args) turns that contention into overlap.
+Linux sets affinity per thread and new threads inherit their creator's, so a process is
+pinned by pinning every thread it has; the processes it starts afterwards inherit it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+
+# The environment variable that carries a service's `cpu_cores` into its replicas
+# (`DeploymentArgs.apply`) and on to the learner's workers; read by `pin_from_env`.
+ENV = "RLSERVE_CPU_CORES"
+
+
+def check_cores(cores: Sequence[int], field: str) -> set[int]:
+    """The cores as a set; a ValueError naming `field` if this machine lacks one."""
+    count = os.cpu_count() or 1
+    missing = sorted(c for c in cores if c >= count)
+    if missing:
+        raise ValueError(f"{field}: cores {missing} do not exist on this machine (it has cores 0-{count - 1})")
+    return set(cores)
+
+
+def pin_process(cores: Sequence[int], field: str) -> None:
+    """Pin every thread of this process (and so what it starts later) to `cores`."""
+    mask = check_cores(cores, field)
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), mask)
+
+
+def pin_from_env() -> None:
+    """Called first by every replica (and learner worker): pins it if its service set `cpu_cores`."""
+    raw = os.environ.get(ENV, "")
+    if raw:
+        pin_process([int(c) for c in raw.split(",")], f"{ENV}={raw}")
+
+
+@contextlib.contextmanager
+def children_on(cores: Sequence[int], field: str) -> Iterator[None]:
+    """Processes this thread starts inside the block run on `cores`; this thread, and the threads it
+    started meanwhile, are put back on the cores they had."""
+    if not cores:
+        yield
+        return
+    before, threads = os.sched_getaffinity(0), set(os.listdir("/proc/self/task"))
+    os.sched_setaffinity(0, check_cores(cores, field))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+        for tid in set(os.listdir("/proc/self/task")) - threads:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), before)
