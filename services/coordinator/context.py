@@ -46,10 +46,10 @@ class Context:
         self.trainer_moved = asyncio.Condition()
         self.reward_version: str | None = None
         self.timings: dict[int, dict[str, float]] = {}
-        # The newest engine activity of each rollout replica (replica id -> (uptime_s, idle_s)), and
-        # what it was at the previous training step.
-        self.engine_activity: dict[str, tuple[float, float]] = {}
-        self.activity_mark: dict[str, tuple[float, float]] = {}
+        # The newest engine activity of each rollout replica (replica id -> (uptime_s, idle_s,
+        # paused_s)), and what it was at the previous training step.
+        self.engine_activity: dict[str, tuple[float, float, float]] = {}
+        self.activity_mark: dict[str, tuple[float, float, float]] = {}
         self.last_progress = time.monotonic()
         self.initial_val: float | None = None
         self.checkpoints_saved = 0

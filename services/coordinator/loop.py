@@ -177,12 +177,12 @@ def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, fl
 
 
 def engine_idle(ctx: Context) -> dict[str, float]:
-    """The rollout engines' idle share since the previous step (replicas that answered in both)."""
+    """The rollout engines' idle share since the previous step (replicas that answered in both), and
+    the part of it weight updates held them."""
     seen, before = dict(ctx.engine_activity), ctx.activity_mark
     ctx.activity_mark = seen
-    up = sum(seen[r][0] - before[r][0] for r in seen if r in before)
-    idle = sum(seen[r][1] - before[r][1] for r in seen if r in before)
-    return {"engine/idle_fraction": idle / up} if up > 0 else {}
+    up, idle, paused = (sum(seen[r][i] - before[r][i] for r in seen if r in before) for i in range(3))
+    return {"engine/idle_fraction": idle / up, "engine/paused_fraction": paused / up} if up > 0 else {}
 
 
 async def train_step(ctx: Context, step: int) -> dict[str, float]:

@@ -29,8 +29,8 @@ class BatchTimings:
     reference_s: float = 0.0
     reference_compute_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
-    # The newest activity each rollout replica reported: replica id -> (uptime_s, idle_s).
-    activity: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # The newest activity each rollout replica reported: replica id -> (uptime_s, idle_s, paused_s).
+    activity: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def add(self, other: BatchTimings) -> None:
         """Fold in another call's timings (streaming: one per prompt; the sums are call seconds)."""
@@ -38,7 +38,7 @@ class BatchTimings:
                      "reference_compute_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for replica, seen in other.activity.items():
-            if seen[0] >= self.activity.get(replica, (-1.0, 0.0))[0]:
+            if seen[0] >= self.activity.get(replica, (-1.0, 0.0, 0.0))[0]:
                 self.activity[replica] = seen
 
     def metrics(self) -> dict[str, float]:
@@ -79,7 +79,7 @@ async def generate(calls: ServiceCalls, spec: RunSpec, run_id: str, prompts: lis
     timings.generate_s += time.perf_counter() - t0
     timings.generate_engine_s += resp.engine_seconds
     if resp.replica_id:
-        timings.activity[resp.replica_id] = (resp.activity.uptime_s, resp.activity.idle_s)
+        timings.activity[resp.replica_id] = (resp.activity.uptime_s, resp.activity.idle_s, resp.activity.paused_s)
     return resp
 
 

@@ -205,6 +205,53 @@ def test_update_without_in_flight_waits_for_running_requests(vllm_engine, loop, 
         loop.run(vllm_engine.load_weights_from_path(base, old + 2, False))
 
 
+def test_an_in_flight_update_can_keep_the_kv_cache_and_later_requests_get_the_new_weights(loop, other_model):
+    """`in_flight_kv_cache: keep` (PipelineRL's semantics): running requests continue on the new weights
+    over the keys/values older weights computed, so their tokens after the switch are not the new
+    model's teacher-forced logprobs; a request that starts after the update never reuses those cached
+    blocks, even for the same prompt. The engine also runs on the cores it was given."""
+    import os
+
+    import psutil
+
+    base = resolve_model("preset:tiny")
+    mine = os.sched_getaffinity(0)
+    others = {p.pid for p in psutil.Process().children(recursive=True)}  # the module's engine
+
+    async def start():
+        return make_engine("vllm", EngineConfig(model_path=base, in_flight_kv_cache="keep", cpu_cores=(0,)))
+
+    engine = loop.run(start())
+    try:
+        vllm_procs = [p for p in psutil.Process().children(recursive=True)
+                      if p.pid not in others and p.name().startswith("VLLM")]
+        assert vllm_procs and all(p.cpu_affinity() == [0] for p in vllm_procs), \
+            [(p.name(), p.cpu_affinity()) for p in vllm_procs]
+        assert {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")} == {frozenset(mine)}
+        running = loop.submit(engine.generate(PROMPTS, 4, LONG))
+        while engine.stats().requests_running < len(PROMPTS):
+            time.sleep(0.01)
+        time.sleep(0.3)
+        loop.run(engine.load_weights(list(load_file(other_model / "model.safetensors").items()), 1, True))
+        later = loop.run(engine.generate(PROMPTS, 2, SamplingSpec(temperature=1.0, max_new_tokens=8, seed=2)))
+        assert not running.done(), "the later request should run while the long ones still hold their blocks"
+        assert all(s.oldest_version == 1 for ss in later for s in ss)
+        assert max_logprob_error(later, other_model) < 1e-4
+        out = running.result(600)
+        samples = [s for ss in out for s in ss]
+        assert all(len(s.token_ids) == 200 for s in samples)
+        mixed = [s for s in samples if [r.version for r in s.version_runs] == [0, 1]]
+        assert mixed, "the update should land while the samples were generating"
+        errors_old, errors_new = logprob_errors(PROMPTS, out, base), logprob_errors(PROMPTS, out, other_model)
+        for s in mixed:
+            i, switch = samples.index(s), s.version_runs[1].start
+            assert max(errors_old[i][:switch]) < 1e-4
+            assert max(errors_old[i][switch:]) > 1e-2  # new weights after the switch...
+            assert max(errors_new[i][switch:]) > 1e-3  # ...over the old keys and values (nothing recomputed)
+    finally:
+        loop.run(engine.close())
+
+
 def test_direct_update_of_a_tied_model_is_exact(tmp_path, loop):
     """vLLM's CPU backend packs a tied output layer apart from the embedding; the gloo transfer's load
     re-packs it (rlserve.rollout.vllm_reload), so the new weights serve exactly, head included."""

@@ -28,6 +28,8 @@ class TransformersEngine(BatchEngine):
         if cfg.cpu_cores:
             raise ValueError("cpu_cores: the transformers engine runs inside the rollout replica; "
                              "pin the replica with services.rollout.cpu_cores instead")
+        if cfg.in_flight_kv_cache != "recompute":
+            raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_causal_lm(cfg.model_path, _DTYPES[cfg.dtype]).to(self.device)

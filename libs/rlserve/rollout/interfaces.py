@@ -49,6 +49,12 @@ class EngineSettings(BaseModel):
     # rlserve), "nccl" (GPUs on different processes), "ipc" (learner and engine share a GPU); "none"
     # takes weights only from the weight store.
     weight_transfer: Literal["gloo", "nccl", "ipc", "none"] = "gloo"
+    # What an in-flight update does to the requests it lands in: "recompute" their KV cache under
+    # the new weights (exact: every token after the switch is the new policy's, at the cost of a
+    # prefill of every running sequence per update), or "keep" it (PipelineRL's and vLLM's
+    # pause-keep semantics: tokens after the switch attend to keys/values computed by older
+    # weights; the recorded logprobs are still the ones sampled, which the IS correction uses).
+    in_flight_kv_cache: Literal["recompute", "keep"] = "recompute"
     # vLLM on CPU: the cores its engine process and workers run on (vLLM's OpenMP threads bind to
     # them); empty: vLLM's automatic binding. Give the learner other cores (`services.learner.cpu_cores`)
     # so generation and training overlap instead of contending.

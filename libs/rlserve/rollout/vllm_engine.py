@@ -191,7 +191,10 @@ class VllmEngine(RolloutEngine):
         await self._serving.wait()
         self._activity.request_started()
         try:
-            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id=uuid.uuid4().hex):
+            # Cached prefixes are keyed by the weights that computed them: a kept KV cache
+            # (`in_flight_kv_cache: keep`) never serves a later request old weights' blocks.
+            prompt = {"prompt_token_ids": ids, "cache_salt": f"weights-{self._version}"}
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
                 final = out
         finally:
             self._activity.request_finished()
@@ -221,9 +224,14 @@ class VllmEngine(RolloutEngine):
             self._activity.resumed()
 
     async def _switched(self, version: int, in_flight: bool) -> None:
-        """After new weights are in: requests in flight recompute under them; cached prefixes go."""
+        """After new weights are in: requests in flight recompute under them (unless the KV cache is
+        kept); cached prefixes go."""
         self._version = version
-        if not await self.llm.reset_prefix_cache(reset_running_requests=in_flight):
+        keep = in_flight and self.cfg.in_flight_kv_cache == "keep"
+        reset = await self.llm.reset_prefix_cache(reset_running_requests=in_flight and not keep)
+        # A kept cache cannot be reset while running requests hold blocks; the version in every
+        # request's cache salt already keeps later requests off them.
+        if not reset and not keep:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
 
     async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, in_flight: bool) -> None:

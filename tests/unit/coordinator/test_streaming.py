@@ -49,7 +49,7 @@ def requests(monkeypatch):
         seen.running -= 1
         groups = [Group(prompt_index=first_index + i, prompt_ids=[1], completions=[[2]], gen_logprobs=[[-1.0]],
                         rewards=[1.0], weight_version=min_version, step=step) for i in range(len(examples))]
-        return groups, "v1", BatchTimings(generate_s=1.0, activity={"a": (float(step), 0.0)})
+        return groups, "v1", BatchTimings(generate_s=1.0, activity={"a": (float(step), 0.0, 0.0)})
 
     monkeypatch.setattr(loop, "rollout_groups", fake)
     return seen
@@ -68,7 +68,7 @@ def test_steps_are_committed_whole_in_order_with_bounded_concurrency(requests):
     assert [g.step for g in groups] == [s for s in range(STEPS) for _ in range(PROMPTS_PER_STEP)]
     assert sorted(requests.calls) == [(s, i) for s in range(STEPS) for i in range(PROMPTS_PER_STEP)]
     assert requests.peak == LIMIT  # bounded, and busy up to the bound (steps overlap)
-    assert ctx.timings[0]["timing/generate_s"] == PROMPTS_PER_STEP and ctx.engine_activity == {"a": (2.0, 0.0)}
+    assert ctx.timings[0]["timing/generate_s"] == PROMPTS_PER_STEP and ctx.engine_activity == {"a": (2.0, 0.0, 0.0)}
 
 
 def test_the_bound_holds_back_the_next_step_until_the_trainer_moves(requests):
@@ -108,12 +108,12 @@ def test_a_samples_age_is_that_of_its_oldest_version():
 
 
 def test_engine_idle_fraction_counts_replicas_seen_at_both_marks():
-    ctx = SimpleNamespace(engine_activity={"a": (10.0, 2.0)}, activity_mark={})
+    ctx = SimpleNamespace(engine_activity={"a": (10.0, 2.0, 1.0)}, activity_mark={})
     assert loop.engine_idle(ctx) == {}  # nothing to compare with yet
-    ctx.engine_activity = {"a": (20.0, 3.0), "b": (5.0, 5.0)}
-    assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.1}  # b is new: not counted
-    ctx.engine_activity = {"a": (30.0, 3.0), "b": (15.0, 15.0)}
-    assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.5}
+    ctx.engine_activity = {"a": (20.0, 3.0, 1.5), "b": (5.0, 5.0, 0.0)}
+    assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.1, "engine/paused_fraction": 0.05}  # b is new
+    ctx.engine_activity = {"a": (30.0, 3.0, 1.5), "b": (15.0, 15.0, 2.5)}
+    assert loop.engine_idle(ctx) == {"engine/idle_fraction": 0.5, "engine/paused_fraction": 0.125}
 
 
 def test_requests_carry_several_prompts_at_their_offsets(requests):
