@@ -79,3 +79,16 @@ def test_cluster_file_cpu_cores_reach_each_replica(tmp_path):
     path.write_text(yaml.safe_dump({"services": {"learner": {"cpu_cores": [-1]}}}))
     with pytest.raises(Exception, match=r"services\.learner\.cpu_cores"):
         load_cluster_file(path)
+
+
+def test_the_cpu_split_example_pins_the_engine_apart_from_everything_else():
+    from pathlib import Path
+
+    from rlserve.rollout.interfaces import EngineSettings
+
+    cfg, runs = load_cluster_file(Path("examples/cluster_cpu_split.yaml"))
+    apps = {a["name"]: a["args"] for a in serve_config(cfg, runs)["applications"]}
+    engine = EngineSettings.model_validate({k: v for k, v in apps["rollout"].items() if k in EngineSettings.model_fields})
+    assert engine.cpu_cores == (0,) and engine.in_flight_kv_cache == "keep"
+    assert {name: args["deployment"]["cpu_cores"] for name, args in apps.items() if name != "gateway"} == \
+        {"rollout": [1], "reward": [1], "reference": [1], "learner": [1], "coordinator": [1]}

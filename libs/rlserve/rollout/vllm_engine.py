@@ -198,15 +198,15 @@ class VllmEngine(RolloutEngine):
                 final = out
         finally:
             self._activity.request_finished()
-        return [self._sample(o) for o in final.outputs]
+        return [self._sample(o, params.detokenize) for o in final.outputs]
 
-    def _sample(self, o) -> GeneratedSample:
+    def _sample(self, o, detokenized: bool) -> GeneratedSample:
         ids = list(o.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
         spans = o.weight_versions or []
         runs = tuple(VersionRun(_version_of(s.version), s.start, s.end) for s in spans) or \
             (VersionRun(self._version, 0, len(ids)),)
-        text = o.text if o.text or not ids else self._tokenizer.decode(ids, skip_special_tokens=True)
+        text = o.text if detokenized else self._tokenizer.decode(ids, skip_special_tokens=True)
         return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), text, runs)
 
     # --- weight updates ----------------------------------------------------------------
