@@ -150,7 +150,7 @@ class Learner:
                 num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
                 # The service's cpu_cores (if any) carry on to its workers.
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cl.torch_threads),
-                                          **{k: v for k, v in os.environ.items() if k == cpu_affinity.ENV}}},
+                                          cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, "")}},
             ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
                 for i in range(cl.num_workers)]
             self.session = Session(request.run_id, spec, pg, workers, rendezvous)
