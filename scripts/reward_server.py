@@ -22,8 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlserve.logs import event, setup_logging
-from rlserve.rewards.loader import CombinedReward, FunctionSpec
-from rlserve.rewards.scoring import score_batch, specs_from_proto
+from rlserve.rewards.config import RewardFunctionCfg
+from rlserve.rewards.loader import CombinedReward
+from rlserve.rewards.scoring import functions_from_proto, score_batch
 from rlserve.rpc import RpcError
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2, reward_pb2_grpc
@@ -38,7 +39,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
     def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext) -> reward_pb2.ScoreResponse:
         try:
-            reward = (CombinedReward(specs_from_proto(list(request.functions), self.plugins)) if request.functions
+            reward = (CombinedReward(functions_from_proto(list(request.functions), self.plugins)) if request.functions
                       else self.default)
             response = score_batch(reward, request)
         except RpcError as err:
@@ -54,7 +55,7 @@ def serve(host: str, port: int, functions: list[str], allowed_plugins: list[str]
     specs = []
     for f in functions:
         name = f.rsplit("/", 1)[-1].split(":")[0].removesuffix(".py")
-        specs.append(FunctionSpec.make(name, None if ":" not in f and not f.endswith(".py") else f))
+        specs.append(RewardFunctionCfg(name=name, import_path=None if ":" not in f and not f.endswith(".py") else f))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     plugins = PluginPolicy([*allowed_plugins, *(s.import_path for s in specs if s.import_path)])
     reward_pb2_grpc.add_RewardServicer_to_server(RewardServicer(CombinedReward(specs), plugins), server)

@@ -1,54 +1,34 @@
 """The coordinator Serve application: the public `rlserve.v1.Coordinator` API.
 
-SubmitRun answers quickly and never builds a data set or a model in the
-request handler: it checks what is cheap (the spec and its bounds, the run
-id, that named files lie in the cluster's directories and named plug-ins and
-reward servers are allow-listed, the rollout's model length, and whether the
-learner backend can train the model, from its config alone) and queues the
-run. A preflight then checks, off the request path and within
-`preflight_timeout_s`, what needs the model or the data (the architecture
-against the rollout's, prompt lengths on a bounded sample, the reward
-functions); a run that cannot work fails there with the field named, before
-it takes the learner.
+Each RPC decodes, calls the run manager (`rlserve.runs.manager`), and
+encodes. Runs are admitted by `rlserve.grpo.admission` and executed by
+`rlserve.grpo.recovery.run_grpo`, which reaches the other applications
+through `handles.ServeServices`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import fnmatch
-import logging
-from pathlib import Path
-
-from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from transformers import AutoConfig
 
 from rlserve.cluster.deployment import build_app
-from rlserve.config import RunSpec
 from rlserve.cpu_affinity import pin_from_env
-from rlserve.data.dataset import build_splits
-from rlserve.data.prompts import PromptTokenizer
-from rlserve.learner.registry import UnsupportedModel, check_model
+from rlserve.grpo.admission import GrpoAdmission
+from rlserve.grpo.recovery import run_grpo
+from rlserve.grpo.retry import RetryPolicy
+from rlserve.grpo.services import RunServices
+from rlserve.grpo.state import LoopSettings
 from rlserve.logs import setup_logging
-from rlserve.models import get_preset, resolve_model
-from rlserve.models.factory import architecture_config
-from rlserve.rollout.deployed import match_generation
-from rlserve.rpc import failed_precondition, grpc_method, invalid_argument, permission_denied
+from rlserve.rpc import grpc_method
+from rlserve.runs.manager import RunManager
+from rlserve.runs.record import Run
 from rlserve.security.paths import PathsArgs
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import coordinator_pb2 as pb
-from rlserve.v1 import reward_pb2
-from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME
-from services.coordinator.calls import RetryPolicy, ServiceCalls, ServiceFailure
-from services.coordinator.recovery import LoopSettings, run_grpo
-from services.coordinator.rollouts import reward_functions
-from services.coordinator.runs import RunManager
+from services.coordinator.handles import ServeServices
 
-log = logging.getLogger("rlserve.coordinator")
-# Prompts whose length the preflight checks (the data set's first ones, and every validation prompt).
-PREFLIGHT_SAMPLE = 2000
+APPS = {"rollout": "rollout", "reward": "reward", "reference": "reference", "learner": "learner"}
 
 
 class CoordinatorArgs(BaseModel):
@@ -58,12 +38,8 @@ class CoordinatorArgs(BaseModel):
     # The cluster file's reward.allowed_plugins and reward.allowed_endpoints.
     allowed_plugins: list[str] = []
     allowed_endpoints: list[str] = []
-    apps: dict[str, str] = {"rollout": "rollout", "reward": "reward", "reference": "reference",
-                            "learner": "learner"}
+    apps: dict[str, str] = APPS
     weight_store: str = DEFAULT_STORE_NAME
-    # The rollout and learner services hold one policy at a time: a second run's Configure would
-    # tear down the first run's learner. Runs are queued until they can share the cluster.
-    max_concurrent_runs: int = 1
     watchdog_timeout_s: float = Field(1200.0, gt=0)
     retry: RetryPolicy = RetryPolicy()
     # Runs an earlier coordinator left running continue from their last checkpoint when this one
@@ -74,14 +50,6 @@ class CoordinatorArgs(BaseModel):
     # Largest JSONL data file a spec may name.
     max_data_file_mb: int = Field(512, ge=1)
 
-    @field_validator("max_concurrent_runs")
-    @classmethod
-    def _one_run_at_a_time(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"must be 1, got {v}: runs cannot share the rollout and learner services yet "
-                             f"(a second run would reconfigure the first run's learner); they are queued")
-        return v
-
 
 @serve.deployment(max_ongoing_requests=64)
 class Coordinator:
@@ -89,108 +57,24 @@ class Coordinator:
         setup_logging()
         pin_from_env()
         self.args = CoordinatorArgs.model_validate(args or {})
-        self.paths = self.args.paths.policy()
-        self.plugins = PluginPolicy(self.args.allowed_plugins)
-        self.settings = LoopSettings(apps=self.args.apps, weight_store=self.args.weight_store,
-                                     retry=self.args.retry,
-                                     watchdog_timeout_s=self.args.watchdog_timeout_s)
-        self.manager = RunManager(self.paths.runs_dir, lambda run: run_grpo(run, self.settings),
-                                  self._check, self._preflight, self.args.preflight_timeout_s,
-                                  self.args.max_concurrent_runs, self.args.resume_on_restart)
+        admission = GrpoAdmission(self.args.paths.policy(), PluginPolicy(self.args.allowed_plugins),
+                                  self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
+        self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
+                                  self.args.preflight_timeout_s, self.args.resume_on_restart)
+
+    def _services(self, reward_endpoint: str | None, policy: RetryPolicy) -> RunServices:
+        return ServeServices(self.args.apps, reward_endpoint, policy, on_retry=lambda msg: None)
+
+    async def _run(self, run: Run) -> None:
+        services = await ServeServices.connect(self.args.apps, run.spec.reward.endpoint, self.args.retry,
+                                               lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
+                                               self.args.watchdog_timeout_s)
+        await run_grpo(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s))
 
     async def __del__(self) -> None:
         """Serve's shutdown of this replica: stop the runs without changing their state (they stay RUNNING
         on disk, and the next coordinator resumes them)."""
         await self.manager.shutdown()
-
-    async def _check(self, spec: RunSpec) -> RunSpec:
-        """Cheap checks on the request path; returns the spec with its files as confined absolute paths
-        and the generation settings of the deployed rollout filled in."""
-        for i, f in enumerate(spec.reward.functions):
-            if f.import_path:
-                self.plugins.check(f"spec_yaml: reward.functions.{i}.import_path", f.import_path)
-        endpoint = spec.reward.endpoint
-        if endpoint and not any(fnmatch.fnmatchcase(endpoint, pat) for pat in self.args.allowed_endpoints):
-            raise permission_denied("spec_yaml: reward.endpoint", f"{endpoint!r} is not a reward server this "
-                                    f"cluster allows; an operator can add it to `reward.allowed_endpoints` "
-                                    f"in the cluster file")
-        spec = spec.model_copy(deep=True)
-        spec.policy.model_name = self.paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
-        try:
-            config = await asyncio.to_thread(_model_config, spec.policy.model_name)
-        except (OSError, ValueError) as err:
-            raise invalid_argument("spec_yaml: policy.model_name", str(err)) from None
-        try:
-            check_model(spec, config)
-        except UnsupportedModel as err:
-            raise failed_precondition(str(err)) from None
-        for key in ("train_path", "val_path"):
-            value = getattr(spec.data, key)
-            if value is None:
-                continue
-            field = f"spec_yaml: data.{key}"
-            path = self.paths.data(field, value)
-            if not path.is_file():
-                raise invalid_argument(field, f"{value[:200]!r}: no such file")
-            if path.stat().st_size > self.args.max_data_file_mb * 2**20:
-                raise invalid_argument(field, f"{value[:200]!r} is larger than {self.args.max_data_file_mb} MB")
-            setattr(spec.data, key, str(path))
-        calls = ServiceCalls(self.settings.apps, None, RetryPolicy(retries=1, timeout_s=30),
-                             on_retry=lambda msg: None)
-        try:
-            info = await calls.rollout_info()
-        except ServiceFailure as err:
-            raise failed_precondition(f"the rollout service does not answer: {err}") from None
-        finally:
-            await calls.close()
-        spec, problems = match_generation(spec, info)
-        if problems:
-            raise failed_precondition("; ".join(problems))
-        if info.max_model_len < spec.policy.max_total_sequence_length:
-            raise failed_precondition(f"policy.max_total_sequence_length {spec.policy.max_total_sequence_length}"
-                                      f" exceeds the rollout's max_model_len {info.max_model_len}")
-        return spec
-
-    async def _preflight(self, spec: RunSpec) -> None:
-        """What needs the model or the data, off the request path (the run manager bounds its time)."""
-        try:
-            model = await asyncio.to_thread(resolve_model, spec.policy.model_name, spec.policy.model_seed)
-        except ValueError as err:
-            raise invalid_argument("policy.model_name", str(err).removeprefix("policy.model_name: ")) from None
-        try:
-            # A bounded sample: the run builds the whole data set itself, in a worker thread.
-            splits = await asyncio.to_thread(build_splits, spec.data, PREFLIGHT_SAMPLE)
-        except ValueError as err:
-            raise invalid_argument("data", str(err)) from None
-        try:
-            tok = PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
-        except ValueError as err:
-            raise failed_precondition(str(err)) from None
-        room = spec.policy.max_total_sequence_length - spec.policy.generation.max_new_tokens
-        try:
-            longest = await asyncio.to_thread(lambda: max(len(tok.prompt_ids(ex)) for ex in splits.train + splits.val))
-        except TemplateError as err:
-            raise invalid_argument("data.prompt_format", f"the model's chat template fails on this data: "
-                                   f"{type(err).__name__}: {err}") from None
-        if longest > room:
-            raise invalid_argument("policy.max_total_sequence_length",
-                                   f"a prompt of {longest} tokens + max_new_tokens "
-                                   f"{spec.policy.generation.max_new_tokens} do not fit "
-                                   f"{spec.policy.max_total_sequence_length}")
-        calls = ServiceCalls(self.settings.apps, spec.reward.endpoint, RetryPolicy(retries=1, timeout_s=60),
-                             on_retry=lambda msg: None)
-        try:
-            info = await calls.rollout_info()
-            served = await asyncio.to_thread(lambda: fingerprint(checkpoint_specs(model)))
-            if info.architecture_fingerprint != served:
-                raise failed_precondition(f"policy.model_name: {spec.policy.model_name} does not have the "
-                                          f"architecture of the model the rollout service serves ({info.model})")
-            await calls.score(reward_pb2.ScoreRequest(functions=reward_functions(spec)))
-        except ServiceFailure as err:
-            raise failed_precondition(f"reward.functions or services: {err}") from None
-        finally:
-            await calls.close()
-        return spec
 
     @grpc_method
     async def SubmitRun(self, request: pb.SubmitRunRequest) -> pb.SubmitRunResponse:
@@ -217,14 +101,6 @@ class Coordinator:
             yield pb.WatchRunResponse(event=ev)
 
 
-def _model_config(model_name: str):
-    """The HF config of `policy.model_name` without building the model: the folder's config.json, or a
-    preset's architecture (`architecture_config`)."""
-    if model_name.startswith("preset:"):
-        return architecture_config(get_preset(model_name.removeprefix("preset:")))
-    return AutoConfig.from_pretrained(Path(model_name))
-
-
 def build(args: dict) -> serve.Application:
     """Serve application builder (`import_path: services.coordinator.app:build`).
 
@@ -233,4 +109,3 @@ def build(args: dict) -> serve.Application:
     """
     return build_app(Coordinator, CoordinatorArgs, {**args, "deployment": {**args.get("deployment", {}),
                                                                           "max_surge_percent": 0}})
-

@@ -18,8 +18,9 @@ from ray import serve
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
-from rlserve.rewards.loader import CombinedReward, FunctionSpec
-from rlserve.rewards.scoring import score_batch, specs_from_proto
+from rlserve.rewards.config import RewardFunctionCfg
+from rlserve.rewards.loader import CombinedReward
+from rlserve.rewards.scoring import functions_from_proto, score_batch
 from rlserve.rpc import grpc_method, invalid_argument
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2
@@ -27,27 +28,19 @@ from rlserve.v1 import reward_pb2
 log = logging.getLogger("rlserve.reward")
 
 
-class RewardFunctionArg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    import_path: str | None = None
-    weight: float = 1.0
-    args: dict = {}
-
-
 class RewardArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # The deployed default (the operator's choice: cluster file or `deploy/serve swap reward`).
-    functions: list[RewardFunctionArg] = [RewardFunctionArg(name="exact_match")]
+    functions: list[RewardFunctionCfg] = [RewardFunctionCfg(name="exact_match")]
     # Plug-ins a request may name by import path (the cluster file's reward.allowed_plugins).
     allowed_plugins: list[str] = []
 
 
 @lru_cache(maxsize=32)
-def _combined(specs: tuple[FunctionSpec, ...]) -> CombinedReward:
-    return CombinedReward(list(specs))
+def _combined(keys: tuple[str, ...]) -> CombinedReward:
+    """Loaded plug-ins by their descriptions' keys (a request names the same functions step after step)."""
+    return CombinedReward([RewardFunctionCfg.model_validate_json(k) for k in keys])
 
 
 @serve.deployment(max_ongoing_requests=32)
@@ -56,8 +49,7 @@ class Reward:
         setup_logging()
         pin_from_env()
         parsed = RewardArgs.model_validate(args or {})
-        self.default = CombinedReward([FunctionSpec.make(f.name, f.import_path, f.weight, f.args)
-                                       for f in parsed.functions])
+        self.default = CombinedReward(parsed.functions)
         self.plugins = PluginPolicy(parsed.allowed_plugins)
         event(log, "reward.ready", version=self.default.version,
               functions=",".join(s.name for s in self.default.specs))
@@ -67,7 +59,8 @@ class Reward:
         reward = self.default
         if request.functions:
             try:
-                reward = _combined(tuple(specs_from_proto(list(request.functions), self.plugins)))
+                reward = _combined(tuple(f.key() for f in functions_from_proto(list(request.functions),
+                                                                               self.plugins)))
             except ValueError as err:
                 raise invalid_argument("functions", str(err)) from None
         return await asyncio.to_thread(score_batch, reward, request)

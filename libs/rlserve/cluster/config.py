@@ -149,10 +149,6 @@ class ClusterFile(BaseModel):
     def loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1")
 
-    @property
-    def auth_enabled(self) -> bool:
-        return self.auth != "none"
-
     def resolve(self, path: str, base: Path) -> Path:
         p = Path(path).expanduser()
         return p if p.is_absolute() else (base / p).resolve()

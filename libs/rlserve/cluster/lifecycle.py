@@ -340,7 +340,8 @@ def node_status(cluster: Cluster) -> dict[str, bool]:
 def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
     """Redeploy the reward app alone with a new function (`module:attr` or `file.py[:attr]`), or with the
     functions of the cluster file, arguments and weights included (`default`)."""
-    from rlserve.rewards.loader import FunctionSpec, load_function
+    from rlserve.rewards.config import RewardFunctionCfg
+    from rlserve.rewards.loader import load_function
 
     if target == "default":
         connect(cluster)
@@ -363,7 +364,7 @@ def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
     else:
         import_path = target
         name = (attr or target).rsplit(".", 1)[-1]
-    load_function(FunctionSpec.make(name, import_path))  # fail here, not in a replica
+    load_function(RewardFunctionCfg(name=name, import_path=import_path))  # fail here, not in a replica
     connect(cluster)
     config = current_config(cluster)
     app = next(a for a in config["applications"] if a["name"] == "reward")

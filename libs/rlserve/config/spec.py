@@ -14,12 +14,12 @@ of 2**70 once made every later ListRuns fail).
 from __future__ import annotations
 
 import difflib
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rlserve.data.tasks import TASKS
+from rlserve.rewards.config import RewardFunctionCfg
 
 # Upper bounds of the spec's sizes (a request cannot ask for more).
 MAX_STEPS = 1_000_000
@@ -345,25 +345,6 @@ class DataCfg(Section):
         if self.system_prompt is not None and self.prompt_format != "chat":
             raise ValueError("data.system_prompt: needs data.prompt_format: chat")
         return self
-
-
-class RewardFunctionCfg(Section):
-    # A built-in name (exact_match, math_verify, format, length_penalty, countdown) or any
-    # label when import_path is given.
-    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    # Only plug-ins the operator allow-listed (the cluster file's reward.allowed_plugins).
-    import_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
-    weight: float = Field(1.0, ge=-1e6, le=1e6)
-    args: dict[str, Any] = {}
-
-    @field_validator("args")
-    @classmethod
-    def _json_args(cls, v: dict[str, Any]) -> dict[str, Any]:
-        try:
-            json.dumps(v, allow_nan=False)
-        except (TypeError, ValueError):
-            raise ValueError("must be JSON data (strings, finite numbers, booleans, lists, mappings)") from None
-        return v
 
 
 class RewardCfg(Section):

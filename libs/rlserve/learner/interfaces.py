@@ -3,7 +3,7 @@
 A backend is plain torch.distributed code: every rank of a process group
 constructs it and calls the same methods in the same order. It never
 imports Ray, so it runs the same under the learner's Ray workers and under
-`torchrun` (the GPU benchmarks).
+a plain process (tests and the GPU benchmarks, which start their own process groups).
 """
 
 from __future__ import annotations

@@ -6,29 +6,15 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlserve.rewards.builtins import BUILTINS
+from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.interfaces import RewardInput, RewardOutput
-
-
-@dataclass(frozen=True)
-class FunctionSpec:
-    name: str
-    import_path: str | None = None
-    weight: float = 1.0
-    args: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def make(cls, name: str, import_path: str | None = None, weight: float = 1.0,
-             args: dict[str, Any] | None = None) -> FunctionSpec:
-        return cls(name, import_path or None, weight, tuple(sorted((args or {}).items())))
 
 
 def _import(import_path: str) -> Any:
@@ -56,7 +42,7 @@ def _import(import_path: str) -> Any:
     return getattr(module, attr)
 
 
-def load_function(spec: FunctionSpec) -> Callable[[RewardInput], RewardOutput]:
+def load_function(spec: RewardFunctionCfg) -> Callable[[RewardInput], RewardOutput]:
     """Instantiate one reward function; classes get `args` as keyword arguments."""
     obj = _import(spec.import_path) if spec.import_path else BUILTINS.get(spec.name)
     if obj is None:
@@ -76,7 +62,7 @@ def load_function(spec: FunctionSpec) -> Callable[[RewardInput], RewardOutput]:
 class CombinedReward:
     """Weighted sum of several functions. Raises when any function fails or returns a non-finite value."""
 
-    def __init__(self, specs: list[FunctionSpec]):
+    def __init__(self, specs: list[RewardFunctionCfg]):
         if not specs:
             raise ValueError("no reward functions given")
         names = [s.name for s in specs]
@@ -84,8 +70,7 @@ class CombinedReward:
             raise ValueError(f"reward function names must be unique, got {names}")
         self.specs = specs
         self.functions = [load_function(s) for s in specs]
-        self.version = hashlib.sha1(json.dumps([(s.name, s.import_path, s.weight, s.args) for s in specs],
-                                               default=str).encode()).hexdigest()[:12]
+        self.version = hashlib.sha1("\n".join(s.key() for s in specs).encode()).hexdigest()[:12]
 
     def __call__(self, item: RewardInput) -> tuple[float, dict[str, float], dict[str, Any]]:
         total, components, info = 0.0, {}, {}

@@ -8,7 +8,8 @@ import time
 
 from rlserve.logs import event
 from rlserve.rewards.interfaces import RewardInput
-from rlserve.rewards.loader import CombinedReward, FunctionSpec
+from rlserve.rewards.config import BadFunction, RewardFunctionCfg
+from rlserve.rewards.loader import CombinedReward
 from rlserve.rpc import invalid_argument
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2
@@ -16,19 +17,17 @@ from rlserve.v1 import reward_pb2
 log = logging.getLogger("rlserve.reward")
 
 
-def specs_from_proto(functions: list[reward_pb2.RewardFunctionSpec], plugins: PluginPolicy) -> list[FunctionSpec]:
+def functions_from_proto(functions: list[reward_pb2.RewardFunctionSpec],
+                         plugins: PluginPolicy) -> list[RewardFunctionCfg]:
     """The request's functions; a plug-in by import path must be on the operator's allow-list."""
     specs = []
     for i, f in enumerate(functions):
         if f.import_path:
             plugins.check(f"functions[{i}].import_path", f.import_path)
         try:
-            args = json.loads(f.args_json) if f.args_json else {}
-        except json.JSONDecodeError as err:
-            raise invalid_argument(f"functions[{i}].args_json", f"not JSON: {err.msg}") from None
-        if not isinstance(args, dict):
-            raise invalid_argument(f"functions[{i}].args_json", "must be a JSON object")
-        specs.append(FunctionSpec.make(f.name, f.import_path, f.weight if f.HasField("weight") else 1.0, args))
+            specs.append(RewardFunctionCfg.from_proto(f))
+        except BadFunction as err:
+            raise invalid_argument(f"functions[{i}].{err.field}", err.problem) from None
     return specs
 
 

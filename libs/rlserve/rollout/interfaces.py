@@ -101,10 +101,6 @@ class GeneratedSample:
     def oldest_version(self) -> int:
         return min(r.version for r in self.version_runs)
 
-    @property
-    def newest_version(self) -> int:
-        return max(r.version for r in self.version_runs)
-
 
 @dataclass
 class EngineInfo:

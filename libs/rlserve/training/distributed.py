@@ -1,4 +1,4 @@
-"""Process-group set-up shared by the learner's Ray workers and `torchrun` scripts.
+"""Process-group set-up shared by the learner's Ray workers, tests and GPU benchmarks.
 
 On one machine the rendezvous goes through a file (no TCP listener at all)
 and gloo/NCCL sockets use the loopback interface, so nothing listens beyond
@@ -36,11 +36,3 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
-
-
-def init_from_torchrun() -> torch.device:
-    """For scripts launched by torchrun: read RANK/WORLD_SIZE/LOCAL_RANK and use its env:// rendezvous."""
-    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    device = device_for("auto", local)
-    init_process_group(rank, world, "env://", device)
-    return device

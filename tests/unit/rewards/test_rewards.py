@@ -8,7 +8,8 @@ import pytest
 
 from rlserve.rewards.builtins import LengthPenalty, MathVerify
 from rlserve.rewards.interfaces import RewardInput
-from rlserve.rewards.loader import CombinedReward, FunctionSpec
+from rlserve.rewards.config import RewardFunctionCfg
+from rlserve.rewards.loader import CombinedReward
 from rlserve.rewards.scoring import score_batch
 from rlserve.v1 import reward_pb2
 
@@ -42,8 +43,9 @@ def test_combined_weights_and_plugin_file(tmp_path):
     plugin.write_text("def reward(item):\n    return float(len(item.completion))\n"
                       "class Scaled:\n    def __init__(self, k):\n        self.k = k\n"
                       "    def __call__(self, item):\n        return self.k\n")
-    reward = CombinedReward([FunctionSpec.make("len", f"{plugin}"), FunctionSpec.make("exact_match", weight=2.0),
-                             FunctionSpec.make("k", f"{plugin}:Scaled", 0.5, {"k": 4})])
+    reward = CombinedReward([RewardFunctionCfg(name="len", import_path=f"{plugin}"),
+                             RewardFunctionCfg(name="exact_match", weight=2.0),
+                             RewardFunctionCfg(name="k", import_path=f"{plugin}:Scaled", weight=0.5, args={"k": 4})])
     score, components, _ = reward(item("42"))
     assert components == {"len": 2.0, "exact_match": 1.0, "k": 4.0}
     assert score == 2.0 + 2.0 + 2.0
@@ -51,9 +53,9 @@ def test_combined_weights_and_plugin_file(tmp_path):
 
 def test_bad_specs_are_errors():
     with pytest.raises(ValueError, match="unknown reward function"):
-        CombinedReward([FunctionSpec.make("nope")])
+        CombinedReward([RewardFunctionCfg(name="nope")])
     with pytest.raises(ValueError, match="cannot import"):
-        CombinedReward([FunctionSpec.make("x", "no_such_module_xyz:f")])
+        CombinedReward([RewardFunctionCfg(name="x", import_path="no_such_module_xyz:f")])
 
 
 def test_a_failing_item_does_not_fail_the_batch(tmp_path):
@@ -63,7 +65,7 @@ def test_a_failing_item_does_not_fail_the_batch(tmp_path):
                       "    if item.completion == 'boom':\n        raise RuntimeError('plug-in bug')\n"
                       "    if item.completion == 'nan':\n        return math.nan\n"
                       "    return 1.0\n")
-    reward = CombinedReward([FunctionSpec.make("flaky", str(plugin))])
+    reward = CombinedReward([RewardFunctionCfg(name="flaky", import_path=str(plugin))])
     req = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(id=str(i), completion=c, metadata_json=json.dumps({}))
                                          for i, c in enumerate(["ok", "boom", "nan", "ok"])])
     resp = score_batch(reward, req)
@@ -82,10 +84,10 @@ def test_a_math_check_past_its_time_limit_scores_zero_and_the_next_one_works():
 
 def test_weight_zero_is_honoured_and_unset_means_one():
     """The proto field is optional: 0 arrives as 0 (reported, adds nothing), unset as 1."""
-    from rlserve.rewards.scoring import specs_from_proto
+    from rlserve.rewards.scoring import functions_from_proto
     from rlserve.security.plugins import PluginPolicy
 
-    specs = specs_from_proto([reward_pb2.RewardFunctionSpec(name="exact_match", weight=0.0),
+    specs = functions_from_proto([reward_pb2.RewardFunctionSpec(name="exact_match", weight=0.0),
                               reward_pb2.RewardFunctionSpec(name="format")], PluginPolicy([]))
     assert [s.weight for s in specs] == [0.0, 1.0]
     score, components, _ = CombinedReward(specs[:1])(item("42"))

@@ -8,46 +8,48 @@ its output becomes GRPO's initial policy and the KL reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-import ray
-
 from rlserve.data.dataset import PromptSampler
+from rlserve.grpo.services import RunServices
+from rlserve.grpo.state import RunInputs
+from rlserve.grpo.sync import WeightSync
+from rlserve.grpo.validation import evaluate
+from rlserve.runs.record import Run
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
-from services.coordinator.context import Context
-from services.coordinator.sync import sync_weights
-from services.coordinator.validation import evaluate
 
 
-async def sft_warm_start(ctx: Context) -> Path:
-    run, cfg = ctx.run, ctx.spec.sft
+async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, sync: WeightSync,
+                         progress: Callable[[], None]) -> Path:
+    """Train on the reference answers, validating every `sft.val_period` steps; returns the policy's HF folder."""
+    cfg = inputs.spec.sft
     out = run.run_dir / "sft_model"
-    await ctx.calls.configure(learner_pb2.ConfigureRequest(
-        run_id=run.run_id, spec_yaml=(run.run_dir / "spec.yaml").read_text(), init_model_path=str(ctx.model_path)))
-    sampler = PromptSampler(ctx.splits.train, ctx.spec.data.seed + 1)
+    await services.configure(learner_pb2.ConfigureRequest(
+        run_id=run.run_id, spec_yaml=inputs.spec_yaml(), init_model_path=str(inputs.model_path)))
+    sampler = PromptSampler(list(inputs.train), inputs.spec.data.seed + 1)
     reward = 0.0
     for i in range(cfg.max_num_steps):
         examples = sampler.take(cfg.batch_size)
-        seqs, prompt_lens = zip(*(ctx.tok.sft_ids(ex) for ex in examples))
-        batch = TrainBatch.from_sequences(list(seqs), list(prompt_lens))
-        result = await ctx.calls.train_step(learner_pb2.TrainStepRequest(
+        seqs, prompt_lens = zip(*(inputs.tok.sft_ids(ex) for ex in examples))
+        result = await services.train_step(learner_pb2.TrainStepRequest(
             run_id=run.run_id, loss=learner_pb2.LOSS_KIND_SFT, learning_rate=cfg.lr, expected_weight_version=i),
-            ray.put(batch))
-        ctx.progress()
+            TrainBatch.from_sequences(list(seqs), list(prompt_lens)))
+        progress()
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:
             continue
-        await sync_weights(ctx)
-        val, _ = await evaluate(ctx.calls, ctx.spec, run.run_id, ctx.tok, ctx.val_examples, run.version)
+        await sync.publish()
+        val, _ = await evaluate(services, inputs, run.version)
         reward = val["val/reward"]
-        ctx.emit(pb.EVENT_KIND_VALIDATION, f"SFT step {i + 1}: loss {result.metrics.get('loss/total', 0):.3f}, "
+        run.emit(pb.EVENT_KIND_VALIDATION, f"SFT step {i + 1}: loss {result.metrics.get('loss/total', 0):.3f}, "
                  f"held-out reward {reward:.3f}", {"sft/loss": result.metrics.get("loss/total", 0.0),
                                                    "sft/val_reward": reward, "sft/step": float(i + 1)})
         if cfg.stop_at_val_reward is not None and reward >= cfg.stop_at_val_reward:
             break
-    await ctx.calls.save_checkpoint(learner_pb2.SaveCheckpointRequest(
+    await services.save_checkpoint(learner_pb2.SaveCheckpointRequest(
         run_id=run.run_id, path=str(run.run_dir / "sft_checkpoint"), hf_path=str(out)))
-    ctx.emit(pb.EVENT_KIND_INFO, f"SFT warm start done after {i + 1} steps (held-out reward {reward:.3f}); "
+    run.emit(pb.EVENT_KIND_INFO, f"SFT warm start done after {i + 1} steps (held-out reward {reward:.3f}); "
              f"GRPO starts from {out}")
     return out

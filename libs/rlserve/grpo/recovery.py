@@ -1,13 +1,13 @@
 """A run heals itself: when a service loses the run's state, continue from the last checkpoint.
 
-`run_grpo` runs attempts of the loop (`loop.attempt`). An attempt that ends
-with `RunStateLost` (a service answered ABORTED: the learner's training
+`run_grpo` runs attempts of the loop (`loop.GrpoAttempt`). An attempt that
+ends with `RunStateLost` (a service answered ABORTED: the learner's training
 session is gone because a worker died or its replica restarted, or the
 rollout no longer holds the run's weights) is followed by another that
-reconfigures the learner from the last checkpoint (`checkpoints.restore`),
-drops what was generated after it with reason `recovered`, and goes on; a
-RECOVERED event says what was lost and how many steps are redone. The
-number of recoveries in a row without a new checkpoint in between is bounded
+reconfigures the learner from the last checkpoint, drops what was generated
+after it with reason `recovered`, and goes on; a RECOVERED event says what
+was lost and how many steps are redone. The number of recoveries in a row
+without a new checkpoint in between is bounded
 (`checkpointing.max_recovery_attempts`), so a fault that recurs every time
 fails the run instead of looping. `checkpointing.auto_resume: false` turns
 this off (the run then fails, and `rlserve submit --resume` continues it).
@@ -19,11 +19,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from rlserve.grpo.loop import GrpoAttempt
+from rlserve.grpo.services import RunServices, RunStateLost
+from rlserve.grpo.state import LoopSettings, RunInputs
+from rlserve.runs.record import Run
 from rlserve.v1 import coordinator_pb2 as pb
-from services.coordinator.calls import RunStateLost, connect_services
-from services.coordinator.context import Context, LoopSettings
-from services.coordinator.loop import attempt
-from services.coordinator.runs import Run
 
 
 @dataclass
@@ -43,10 +43,8 @@ class RecoveryBudget:
         self.used = 0
 
 
-async def run_grpo(run: Run, settings: LoopSettings) -> None:
-    calls = await connect_services(settings.apps, run.spec.reward.endpoint, settings.retry,
-                                   on_retry=lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
-                                   timeout_s=settings.watchdog_timeout_s)
+async def run_grpo(run: Run, services: RunServices, settings: LoopSettings) -> None:
+    """Run `run` to its end (raises on failure); `services` is closed afterwards."""
     cfg = run.spec.checkpointing
     budget = RecoveryBudget(cfg.max_recovery_attempts)
     reason, run.resume_reason = run.resume_reason, ""
@@ -54,13 +52,13 @@ async def run_grpo(run: Run, settings: LoopSettings) -> None:
     try:
         while True:
             # Off the event loop: building the data set takes a while, and the coordinator keeps answering.
-            ctx = await asyncio.to_thread(Context, run, calls, settings)
-            ctx.recovering_since = since
+            inputs = await asyncio.to_thread(RunInputs.build, run.run_id, run.spec, run.run_dir)
+            attempt = GrpoAttempt(inputs, run, services, settings, recovering_since=since)
             try:
-                await attempt(ctx, reason)
+                await attempt.run_attempt(reason)
                 return
             except RunStateLost as err:
-                if ctx.checkpoints_saved:
+                if attempt.trainer_state.checkpoints_saved:
                     budget.refill()
                 if not cfg.auto_resume:
                     raise RuntimeError(f"{err} (checkpointing.auto_resume is off; continue with "
@@ -73,7 +71,4 @@ async def run_grpo(run: Run, settings: LoopSettings) -> None:
                 run.emit(pb.EVENT_KIND_INFO, f"the run lost state at step {run.step}: {err}; restoring the last "
                          f"checkpoint (recovery {budget.used}/{budget.max_attempts})")
     finally:
-        await calls.close()
-
-
-__all__ = ["LoopSettings", "RecoveryBudget", "run_grpo"]
+        await services.close()

@@ -1,5 +1,5 @@
-"""The Ray-free parts of recovery and run history: the ledger's rewind to a checkpoint, the recovery
-budget, error summaries, metrics/TensorBoard rewind, and runs reloaded by a restarted coordinator."""
+"""Run history: the ledger's rewind to a checkpoint, metrics/TensorBoard rewind, runs reloaded by a
+restarted coordinator, and the manager's queue and cancellation."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import pytest
 from rlserve.config import spec_to_yaml
 from rlserve.config.spec import RunSpec
 from rlserve.v1 import coordinator_pb2 as pb
-from services.coordinator.groups import summarize_errors
-from services.coordinator.ledger import Ledger
-from services.coordinator.recorder import Recorder
-from services.coordinator.recovery import RecoveryBudget
-from services.coordinator.runs import Run, RunManager
+from rlserve.runs.ledger import Ledger
+from rlserve.runs.manager import Admission, RunManager
+from rlserve.runs.record import Run
+from rlserve.runs.recorder import Recorder
 
 
 def test_rewind_drops_what_came_after_the_checkpoint_and_keeps_its_buffer_in_flight():
@@ -45,19 +44,6 @@ def test_rewind_drops_what_came_after_the_checkpoint_and_keeps_its_buffer_in_fli
     assert changes == {"dropped/recovered": 32.0, "trained": -60.0}
     with pytest.raises(ValueError):
         checkpoint.rewind(again)  # a checkpoint ahead of the run is a bug, not a rewind
-
-
-def test_recovery_budget_counts_recoveries_in_a_row():
-    budget = RecoveryBudget(2)
-    assert budget.spend() and budget.spend() and not budget.spend()
-    budget.refill()
-    assert budget.spend()
-
-
-def test_error_summary_shows_the_first_messages_and_counts_the_rest():
-    messages = ["A"] * 3 + ["B"] + [f"C{i}" for i in range(5)]
-    assert summarize_errors(messages, 2) == "A (x3); B; 5 other messages (5 errors) not shown"
-    assert summarize_errors(["A", "A"], 3) == "A (x2)"
 
 
 def test_rewind_keeps_each_step_once_in_metrics_and_tensorboard(tmp_path):
@@ -92,13 +78,8 @@ def _left_running(runs_dir, run_id: str, state: str = "running", **spec) -> Run:
     return run
 
 
-async def _no_preflight(spec: RunSpec) -> None:
-    pass
-
-
-def _manager(tmp_path, body=None, check=None, resume_on_restart: bool = True) -> RunManager:
-    return RunManager(tmp_path, body, check, _no_preflight, preflight_timeout_s=5,
-                      resume_on_restart=resume_on_restart)
+def _manager(tmp_path, body=None, resume_on_restart: bool = True) -> RunManager:
+    return RunManager(tmp_path, body, Admission(), preflight_timeout_s=5, resume_on_restart=resume_on_restart)
 
 
 def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_path):
@@ -115,7 +96,7 @@ def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_pat
         assert [(ev.sequence, ev.kind, ev.message) for ev in run.events[:len(earlier.events)]] == [
             (ev.sequence, ev.kind, ev.message) for ev in earlier.events]
         assert run.ledger.to_dict() == earlier.ledger.to_dict()
-        await run.task
+        await manager.task("r1")
         return manager
 
     manager = asyncio.run(scenario())
@@ -173,17 +154,14 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
         run.ledger.generate(16)
         await asyncio.sleep(3600)
 
-    async def check(spec: RunSpec) -> RunSpec:
-        return spec
-
     async def scenario() -> None:
-        manager = _manager(tmp_path, body, check)
+        manager = _manager(tmp_path, body)
         a = await manager.submit(spec_to_yaml(RunSpec()), "a", resume=False)
         b = await manager.submit(spec_to_yaml(RunSpec()), "b", resume=False)
         await asyncio.sleep(0.01)
         assert (a.state, b.state, started) == (pb.RUN_STATE_RUNNING, pb.RUN_STATE_QUEUED, ["a"])
         assert manager.cancel("a").state == pb.RUN_STATE_CANCELLING
-        await asyncio.gather(a.task, return_exceptions=True)
+        await asyncio.gather(manager.task("a"), return_exceptions=True)
         assert a.state == pb.RUN_STATE_CANCELLED and a.error == "by CancelRun at step 0"
         assert a.ledger.dropped == Counter({"cancelled": 16}) and a.ledger.balanced()
         await asyncio.sleep(0.01)

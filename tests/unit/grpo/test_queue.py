@@ -1,4 +1,4 @@
-"""The ledger balances, and the group queue and the producer gate enforce the staleness bound."""
+"""The staleness rule, the producer gate it implies, and the step queue that enforces both."""
 
 from __future__ import annotations
 
@@ -6,27 +6,13 @@ import asyncio
 
 import pytest
 
-from services.coordinator.groups import Group, GroupQueue
-from services.coordinator.ledger import Ledger
-from services.coordinator.staleness import StalenessBound
+from rlserve.grpo.groups import Group, ProducedStep, StepQueue, summarize_errors
+from rlserve.grpo.staleness import StalenessBound
 
 
 def group(version: int) -> Group:
     return Group(prompt_index=0, prompt_ids=[1], completions=[[2], [3]], gen_logprobs=[[-1.0], [-1.0]],
-                 rewards=[0.0, 1.0], weight_version=version, step=version)
-
-
-def test_ledger_balances_and_refuses_overdraw():
-    ledger = Ledger()
-    ledger.generated += 10
-    ledger.train(6)
-    ledger.drop("stale", 3)
-    assert ledger.in_flight == 1 and not ledger.balanced()
-    with pytest.raises(ValueError):
-        ledger.drop("stale", 2)
-    ledger.drop("zero_advantage", 1)
-    assert ledger.balanced()
-    assert Ledger.from_dict(ledger.to_dict()).to_dict() == ledger.to_dict()
+                 rewards=[0.0, 1.0], weight_version=version)
 
 
 @pytest.mark.parametrize("max_age", [0, 1, 2])
@@ -57,16 +43,25 @@ def test_producer_gate_keeps_every_batch_fresh(max_age, trains):
     assert consumed >= 10  # the gate never blocks for good
 
 
-def test_buffer_take_waits_and_splits_stale():
+def test_the_queue_hands_over_steps_in_order_and_gates_the_producer():
     async def scenario():
-        buf = GroupQueue()
-        taker = asyncio.create_task(buf.take(3, version=4, bound=StalenessBound(1)))
-        buf.put([group(4), group(2)])
+        queue = StepQueue(StalenessBound(1))
+        taker = asyncio.create_task(queue.take())
         await asyncio.sleep(0.01)
         assert not taker.done()
-        buf.put([group(3), group(4)])
-        fresh, stale = await taker
-        assert [g.weight_version for g in fresh] == [4, 3]
-        assert [g.weight_version for g in stale] == [2]
-        assert len(buf) == 1
+        queue.put(ProducedStep(0, [group(0)]))
+        queue.put(ProducedStep(1, [group(0), group(0)]))
+        assert (await taker).step == 0 and len(queue) == 1 and queue.snapshot()[0].size == 4
+        await asyncio.wait_for(queue.wait_turn(1), 1)  # one step ahead of the trainer: allowed
+        gate = asyncio.create_task(queue.wait_turn(2))
+        await asyncio.sleep(0.01)
+        assert not gate.done()  # two ahead: held back until the trainer moves
+        queue.advance(1)
+        await asyncio.wait_for(gate, 1)
     asyncio.run(scenario())
+
+
+def test_error_summary_shows_the_first_messages_and_counts_the_rest():
+    messages = ["A"] * 3 + ["B"] + [f"C{i}" for i in range(5)]
+    assert summarize_errors(messages, 2) == "A (x3); B; 5 other messages (5 errors) not shown"
+    assert summarize_errors(["A", "A"], 3) == "A (x2)"

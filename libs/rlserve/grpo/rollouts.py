@@ -1,9 +1,9 @@
 """Turn prompts into scored groups: generate -> score -> reference logprobs.
 
 One group is the `num_generations_per_prompt` samples of one prompt, tagged
-with the weight version that generated them. Timings separate each
-service's own compute from the call's wall time (the rest is plumbing:
-RPC, serialization, the object store).
+with the oldest weight version that generated them. Timings separate each
+service's own compute from the call's wall time (the rest is plumbing: RPC,
+serialization, the object store).
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rlserve.config.spec import RunSpec
-from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
+from rlserve.grpo.groups import Group
+from rlserve.grpo.services import RunServices
+from rlserve.grpo.state import Activity, RunInputs
 from rlserve.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
-from services.coordinator.calls import ServiceCalls
-from services.coordinator.groups import Group
 
 
 @dataclass
@@ -28,12 +29,11 @@ class BatchTimings:
     score_compute_s: float = 0.0
     reference_s: float = 0.0
     reference_compute_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-    # The newest activity each rollout replica reported: replica id -> (uptime_s, idle_s, paused_s).
-    activity: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # The newest activity each rollout replica reported.
+    activity: Activity = field(default_factory=dict)
 
     def add(self, other: BatchTimings) -> None:
-        """Fold in another call's timings (streaming: one per prompt; the sums are call seconds)."""
+        """Fold in another call's timings (streaming: one per request; the sums are call seconds)."""
         for name in ("generate_s", "generate_engine_s", "score_s", "score_compute_s", "reference_s",
                      "reference_compute_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -63,19 +63,14 @@ def sampling_params(spec: RunSpec, greedy: bool, seed: int | None, eos_ids: list
     return params
 
 
-def reward_functions(spec: RunSpec) -> list[reward_pb2.RewardFunctionSpec]:
-    return [reward_pb2.RewardFunctionSpec(name=f.name, import_path=f.import_path or "", weight=f.weight,
-                                          args_json=json.dumps(f.args)) for f in spec.reward.functions]
-
-
-async def generate(calls: ServiceCalls, spec: RunSpec, run_id: str, prompts: list[list[int]], eos_ids: list[int],
-                   n: int, greedy: bool, seed: int | None, min_version: int, timings: BatchTimings
-                   ) -> rollout_pb2.GenerateResponse:
+async def generate(services: RunServices, inputs: RunInputs, prompts: list[list[int]], n: int, greedy: bool,
+                   seed: int | None, min_version: int, timings: BatchTimings) -> rollout_pb2.GenerateResponse:
     req = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in prompts], num_samples=n,
-        sampling=sampling_params(spec, greedy, seed, eos_ids), min_weight_version=min_version, run_id=run_id)
+        sampling=sampling_params(inputs.spec, greedy, seed, inputs.tok.eos_ids), min_weight_version=min_version,
+        run_id=inputs.run_id)
     t0 = time.perf_counter()
-    resp = await calls.generate(req)
+    resp = await services.generate(req)
     timings.generate_s += time.perf_counter() - t0
     timings.generate_engine_s += resp.engine_seconds
     if resp.replica_id:
@@ -94,10 +89,11 @@ def sample_versions(completion: rollout_pb2.Completion, default: int) -> tuple[i
     return (default if oldest is None else oldest), mixed, spread
 
 
-async def score(calls: ServiceCalls, spec: RunSpec, run_id: str, items: list[reward_pb2.ScoreItem],
+async def score(services: RunServices, inputs: RunInputs, items: list[reward_pb2.ScoreItem],
                 timings: BatchTimings) -> reward_pb2.ScoreResponse:
     t0 = time.perf_counter()
-    resp = await calls.score(reward_pb2.ScoreRequest(items=items, functions=reward_functions(spec), run_id=run_id))
+    resp = await services.score(reward_pb2.ScoreRequest(
+        items=items, functions=[f.to_proto() for f in inputs.spec.reward.functions], run_id=inputs.run_id))
     timings.score_s += time.perf_counter() - t0
     timings.score_compute_s += resp.compute_seconds
     if len(resp.results) != len(items):
@@ -111,40 +107,43 @@ def score_items(examples: list[Example], texts: list[list[str]], ids: list[list[
             for ex, ts, is_ in zip(examples, texts, ids) for t, i in zip(ts, is_)]
 
 
-async def rollout_groups(calls: ServiceCalls, spec: RunSpec, run_id: str, tok: PromptTokenizer,
-                         examples: list[Example], first_index: int, step: int, min_version: int,
-                         reference_model: str, offset: int = 0) -> tuple[list[Group], str, BatchTimings]:
+async def rollout_groups(services: RunServices, inputs: RunInputs, examples: list[Example], first_index: int,
+                         step: int, min_version: int, reference_model: Path, offset: int = 0
+                         ) -> tuple[list[Group], str, BatchTimings]:
     """Generate, score and (when the KL needs it) reference-score groups of step `step`.
 
     `examples` start at position `offset` within the step: the engine seeds prompt i of a request
     with the request's seed + i, so one request per prompt (streaming) samples exactly as one
     request per step. Returns the groups, the reward service's version string, and the timings.
     """
+    spec, run_id = inputs.spec, inputs.run_id
     timings = BatchTimings()
     n = spec.grpo.num_generations_per_prompt
-    prompts = [tok.prompt_ids(ex) for ex in examples]
-    gen = await generate(calls, spec, run_id, prompts, tok.eos_ids, n, greedy=False,
-                         seed=spec.grpo.seed * 1_000_003 + step + offset, min_version=min_version, timings=timings)
+    prompts = [inputs.tok.prompt_ids(ex) for ex in examples]
+    gen = await generate(services, inputs, prompts, n, greedy=False, seed=spec.grpo.seed * 1_000_003 + step + offset,
+                         min_version=min_version, timings=timings)
+    # Trajectory ids: run/step/prompt/sample, named in the reward service's logs.
     ids = [[f"{run_id}/{step}/{first_index + i}/{j}" for j in range(n)] for i in range(len(examples))]
     texts = [[s.text for s in c.samples] for c in gen.completions]
-    scored = await score(calls, spec, run_id, score_items(examples, texts, ids), timings)
+    scored = await score(services, inputs, score_items(examples, texts, ids), timings)
     groups = []
-    for i, (ex, completion) in enumerate(zip(examples, gen.completions)):
+    for i, completion in enumerate(gen.completions):
         results = scored.results[i * n:(i + 1) * n]
         oldest, mixed, spread = sample_versions(completion, gen.weight_version)
         groups.append(Group(
             prompt_index=first_index + i, prompt_ids=prompts[i],
             completions=[list(s.token_ids) for s in completion.samples],
             gen_logprobs=[list(s.logprobs) for s in completion.samples],
-            rewards=[r.score for r in results], weight_version=oldest, step=step,
+            rewards=[r.score for r in results], weight_version=oldest,
             reward_errors=[r.error or "the reward service gave no message" for r in results
-                           if r.status == reward_pb2.SCORE_STATUS_ERROR], ids=ids[i],
+                           if r.status == reward_pb2.SCORE_STATUS_ERROR],
             mixed_samples=mixed, version_spread=spread))
     if spec.loss_fn.reference_policy_kl_penalty > 0:
         t0 = time.perf_counter()
-        ref = await calls.logprobs(reference_pb2.LogProbsRequest(model_path=reference_model, sequences=[
-            reference_pb2.ScoredSequence(token_ids=g.prompt_ids + c, prompt_length=len(g.prompt_ids))
-            for g in groups for c in g.completions]))
+        ref = await services.reference_logprobs(reference_pb2.LogProbsRequest(
+            model_path=str(reference_model), sequences=[
+                reference_pb2.ScoredSequence(token_ids=g.prompt_ids + c, prompt_length=len(g.prompt_ids))
+                for g in groups for c in g.completions]))
         timings.reference_s += time.perf_counter() - t0
         timings.reference_compute_s += ref.compute_seconds
         it = iter(ref.sequences)

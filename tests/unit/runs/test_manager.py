@@ -12,24 +12,29 @@ import yaml
 
 from rlserve.rpc import RpcError, invalid_argument
 from rlserve.v1 import coordinator_pb2 as pb
-from services.coordinator.runs import TERMINAL, RunManager
+from rlserve.runs.manager import Admission, RunManager
+from rlserve.runs.record import TERMINAL
 
 SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2}, "logger": {"tensorboard_enabled": False}})
 
 
-def manager(tmp_path, preflight_error: str | None = None, trained: list | None = None) -> RunManager:
-    async def check(spec):
-        return spec
+class RefuseByName(Admission):
+    """Passes every spec except those named `refused` (their preflight fails)."""
 
-    async def preflight(spec):
-        if preflight_error and spec.name == preflight_error:
+    def __init__(self, refused: str | None):
+        self.refused = refused
+
+    async def preflight(self, spec):
+        if self.refused and spec.name == self.refused:
             raise invalid_argument("policy.model_name", "not this one")
 
+
+def manager(tmp_path, preflight_error: str | None = None, trained: list | None = None) -> RunManager:
     async def body(run):
         run.step = run.spec.grpo.max_num_steps
         (trained if trained is not None else []).append(run.run_id)
 
-    return RunManager(tmp_path, body, check, preflight, preflight_timeout_s=5)
+    return RunManager(tmp_path, body, RefuseByName(preflight_error), preflight_timeout_s=5)
 
 
 async def until_done(m: RunManager, run_id: str) -> pb.Run:

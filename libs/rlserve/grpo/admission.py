@@ -1,0 +1,153 @@
+"""Admission of a GRPO run: what SubmitRun checks before queueing it, and the preflight before it starts.
+
+`check` runs on the request path and is cheap: the spec's plug-ins and reward
+server are allow-listed, its files lie in the cluster's directories (and are
+returned as confined absolute paths), the learner backend can train the
+model (from its config alone), and the generation settings match the
+deployed rollout (filled in where unset). `preflight` runs off the request
+path, within the run manager's `preflight_timeout_s`, and checks what needs
+the model or the data: the architecture against the rollout's, prompt
+lengths on a bounded sample, the reward functions. A run that cannot work
+fails there with the field named, before it takes the learner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+from collections.abc import Callable
+from pathlib import Path
+
+from jinja2 import TemplateError
+from transformers import AutoConfig
+
+from rlserve.config import RunSpec
+from rlserve.data.dataset import build_splits
+from rlserve.data.prompts import PromptTokenizer
+from rlserve.grpo.retry import RetryPolicy
+from rlserve.grpo.services import RunServices, ServiceFailure
+from rlserve.learner.registry import UnsupportedModel, check_model
+from rlserve.models import get_preset, resolve_model
+from rlserve.models.factory import architecture_config
+from rlserve.rollout.deployed import match_generation
+from rlserve.rpc import failed_precondition, invalid_argument, permission_denied
+from rlserve.runs.manager import Admission
+from rlserve.security.paths import PathPolicy
+from rlserve.security.plugins import PluginPolicy
+from rlserve.v1 import reward_pb2
+from rlserve.weights.specs import checkpoint_specs, fingerprint
+
+# Prompts whose length the preflight checks (the data set's first ones, and every validation prompt).
+PREFLIGHT_SAMPLE = 2000
+# Services for admission's own calls: (reward endpoint or None, retry policy) -> RunServices.
+Connect = Callable[[str | None, RetryPolicy], RunServices]
+
+
+def model_config(model_name: str):
+    """The HF config of `policy.model_name` without building the model: the folder's config.json, or a
+    preset's architecture (`architecture_config`)."""
+    if model_name.startswith("preset:"):
+        return architecture_config(get_preset(model_name.removeprefix("preset:")))
+    return AutoConfig.from_pretrained(Path(model_name))
+
+
+class GrpoAdmission(Admission):
+    def __init__(self, paths: PathPolicy, plugins: PluginPolicy, allowed_endpoints: list[str],
+                 max_data_file_mb: int, connect: Connect):
+        self.paths, self.plugins = paths, plugins
+        self.allowed_endpoints = allowed_endpoints
+        self.max_data_file_mb = max_data_file_mb
+        self.connect = connect
+
+    async def check(self, spec: RunSpec) -> RunSpec:
+        self._check_plugins(spec)
+        spec = spec.model_copy(deep=True)
+        spec.policy.model_name = self.paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
+        try:
+            config = await asyncio.to_thread(model_config, spec.policy.model_name)
+        except (OSError, ValueError) as err:
+            raise invalid_argument("spec_yaml: policy.model_name", str(err)) from None
+        try:
+            check_model(spec, config)
+        except UnsupportedModel as err:
+            raise failed_precondition(str(err)) from None
+        self._confine_data(spec)
+        services = self.connect(None, RetryPolicy(retries=1, timeout_s=30))
+        try:
+            info = await services.rollout_info()
+        except ServiceFailure as err:
+            raise failed_precondition(f"the rollout service does not answer: {err}") from None
+        finally:
+            await services.close()
+        spec, problems = match_generation(spec, info)
+        if problems:
+            raise failed_precondition("; ".join(problems))
+        if info.max_model_len < spec.policy.max_total_sequence_length:
+            raise failed_precondition(f"policy.max_total_sequence_length {spec.policy.max_total_sequence_length}"
+                                      f" exceeds the rollout's max_model_len {info.max_model_len}")
+        return spec
+
+    def _check_plugins(self, spec: RunSpec) -> None:
+        for i, f in enumerate(spec.reward.functions):
+            if f.import_path:
+                self.plugins.check(f"spec_yaml: reward.functions.{i}.import_path", f.import_path)
+        endpoint = spec.reward.endpoint
+        if endpoint and not any(fnmatch.fnmatchcase(endpoint, pat) for pat in self.allowed_endpoints):
+            raise permission_denied("spec_yaml: reward.endpoint", f"{endpoint!r} is not a reward server this "
+                                    f"cluster allows; an operator can add it to `reward.allowed_endpoints` "
+                                    f"in the cluster file")
+
+    def _confine_data(self, spec: RunSpec) -> None:
+        for key in ("train_path", "val_path"):
+            value = getattr(spec.data, key)
+            if value is None:
+                continue
+            field = f"spec_yaml: data.{key}"
+            path = self.paths.data(field, value)
+            if not path.is_file():
+                raise invalid_argument(field, f"{value[:200]!r}: no such file")
+            if path.stat().st_size > self.max_data_file_mb * 2**20:
+                raise invalid_argument(field, f"{value[:200]!r} is larger than {self.max_data_file_mb} MB")
+            setattr(spec.data, key, str(path))
+
+    async def preflight(self, spec: RunSpec) -> None:
+        try:
+            model = await asyncio.to_thread(resolve_model, spec.policy.model_name, spec.policy.model_seed)
+        except ValueError as err:
+            raise invalid_argument("policy.model_name", str(err).removeprefix("policy.model_name: ")) from None
+        await self._check_prompt_lengths(spec, model)
+        services = self.connect(spec.reward.endpoint, RetryPolicy(retries=1, timeout_s=60))
+        try:
+            info = await services.rollout_info()
+            served = await asyncio.to_thread(lambda: fingerprint(checkpoint_specs(model)))
+            if info.architecture_fingerprint != served:
+                raise failed_precondition(f"policy.model_name: {spec.policy.model_name} does not have the "
+                                          f"architecture of the model the rollout service serves ({info.model})")
+            await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
+        except ServiceFailure as err:
+            raise failed_precondition(f"reward.functions or services: {err}") from None
+        finally:
+            await services.close()
+
+    @staticmethod
+    async def _check_prompt_lengths(spec: RunSpec, model: Path) -> None:
+        try:
+            # A bounded sample: the run builds the whole data set itself, in a worker thread.
+            splits = await asyncio.to_thread(build_splits, spec.data, PREFLIGHT_SAMPLE)
+        except ValueError as err:
+            raise invalid_argument("data", str(err)) from None
+        try:
+            tok = PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
+        except ValueError as err:
+            raise failed_precondition(str(err)) from None
+        room = spec.policy.max_total_sequence_length - spec.policy.generation.max_new_tokens
+        try:
+            longest = await asyncio.to_thread(lambda: max(len(tok.prompt_ids(ex)) for ex in splits.train + splits.val))
+        except TemplateError as err:
+            raise invalid_argument("data.prompt_format", f"the model's chat template fails on this data: "
+                                   f"{type(err).__name__}: {err}") from None
+        if longest > room:
+            raise invalid_argument("policy.max_total_sequence_length",
+                                   f"a prompt of {longest} tokens + max_new_tokens "
+                                   f"{spec.policy.generation.max_new_tokens} do not fit "
+                                   f"{spec.policy.max_total_sequence_length}")

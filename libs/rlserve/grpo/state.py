@@ -1,0 +1,77 @@
+"""A run's loop state, split by who writes it.
+
+- `RunInputs`: what the run is given and never changes (spec, model, tokenizer,
+  data). Built once per attempt, off the event loop (building a data set takes
+  a while).
+- `ProducerState`: written only by the producer (and by a checkpoint restore
+  before the producer starts): the data cursor and what it has generated.
+- `TrainerState`: written only by the trainer (and by setup and restore before
+  it starts): the step it is at and the validation baseline.
+
+The two loops meet only in the `StepQueue` (`groups.py`). Two runs are two
+sets of these objects and share nothing mutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlserve.config import RunSpec
+from rlserve.data.dataset import PromptSampler, build_splits
+from rlserve.data.prompts import PromptTokenizer
+from rlserve.data.tasks import Example
+from rlserve.models import resolve_model
+
+# Replica id -> (uptime_s, idle_s, paused_s) as a rollout replica last reported it.
+Activity = dict[str, tuple[float, float, float]]
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The cluster's settings every run's loop obeys (the coordinator's args)."""
+
+    weight_store: str
+    watchdog_timeout_s: float
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    run_id: str
+    spec: RunSpec
+    run_dir: Path
+    model_path: Path
+    tok: PromptTokenizer
+    train: tuple[Example, ...]
+    val: tuple[Example, ...]  # the held-out prompts validation scores (at most grpo.max_val_samples)
+
+    @classmethod
+    def build(cls, run_id: str, spec: RunSpec, run_dir: Path) -> RunInputs:
+        model_path = resolve_model(spec.policy.model_name, spec.policy.model_seed)
+        splits = build_splits(spec.data)
+        return cls(run_id, spec, run_dir, model_path,
+                   PromptTokenizer(model_path, spec.data.prompt_format, spec.data.system_prompt),
+                   tuple(splits.train), tuple(splits.val[: spec.grpo.max_val_samples]))
+
+    def spec_yaml(self) -> str:
+        """The resolved spec as SubmitRun wrote it into the run directory (what the learner is configured with)."""
+        return (self.run_dir / "spec.yaml").read_text()
+
+
+@dataclass
+class ProducerState:
+    # Step k's prompts are the data cursor's [k * P, (k + 1) * P) (P = num_prompts_per_step).
+    sampler: PromptSampler
+    produced_steps: int = 0  # steps whose groups are in the queue or trained
+    reward_version: str | None = None
+    activity: Activity = field(default_factory=dict)  # the newest activity of each rollout replica
+
+
+@dataclass
+class TrainerState:
+    # The GRPO phase starts from this policy (the SFT output when warm-starting); it is also the reference.
+    init_model: Path
+    step: int = 0  # steps finished (trained or skipped)
+    initial_val: float | None = None
+    checkpoints_saved: int = 0
+    activity_mark: Activity = field(default_factory=dict)  # engine activity at the previous step

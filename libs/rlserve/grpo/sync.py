@@ -1,0 +1,46 @@
+"""Weight sync after every training step: learner -> rollout engines directly, plus the weight store's copy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rlserve.grpo.services import RunServices
+from rlserve.grpo.state import RunInputs
+from rlserve.runs.record import Run
+from rlserve.v1 import coordinator_pb2 as pb
+from rlserve.v1 import learner_pb2, rollout_pb2
+
+
+class WeightSync:
+    def __init__(self, inputs: RunInputs, run: Run, services: RunServices, weight_store: str,
+                 progress: Callable[[], None]):
+        self.inputs, self.run, self.services = inputs, run, services
+        self.weight_store = weight_store
+        self.progress = progress
+
+    async def publish(self) -> dict[str, float]:
+        """Learner -> rollout engines (directly where they run a weight-transfer engine) and the weight store;
+        then make sure a replica serves it (one that missed the direct transfer loads the store copy)."""
+        in_flight = self.inputs.spec.grpo.async_grpo.in_flight_weight_updates
+        t0 = time.perf_counter()
+        exported = await self.services.export_weights(learner_pb2.ExportWeightsRequest(
+            run_id=self.inputs.run_id, store_name=self.weight_store, direct=True, in_flight=in_flight))
+        applied = await self.services.update_weights(rollout_pb2.UpdateWeightsRequest(
+            version=exported.weight_version, store_name=self.weight_store, in_flight=in_flight))
+        seconds = time.perf_counter() - t0
+        self.run.version = exported.weight_version
+        how = (f"sent directly to {exported.receivers} rollout replicas" if exported.receivers else
+               f"loaded by rollout replica {applied.replica_id} from the store")
+        failed = f"; {len(exported.failed)} dropped out (catching up from the store)" if exported.failed else ""
+        self.run.emit(pb.EVENT_KIND_WEIGHT_SYNC, f"version {exported.weight_version} published "
+                      f"({exported.num_tensors} tensors in {exported.num_buckets} buckets, "
+                      f"{exported.num_bytes / 2**20:.1f} MiB) and {how}{failed}",
+                      {"weight_sync/seconds": seconds, "weight_sync/export_s": exported.seconds,
+                       "weight_sync/apply_s": applied.apply_seconds, "weight_sync/mib": exported.num_bytes / 2**20,
+                       "weight_sync/direct_mib": exported.direct_bytes / 2**20,
+                       "weight_sync/store_fetch_mib": applied.num_bytes / 2**20})
+        self.progress()
+        return {"timing/weight_sync_s": seconds, "weight_sync/direct_mib": exported.direct_bytes / 2**20,
+                "weight_sync/store_fetch_mib": applied.num_bytes / 2**20,
+                "plumbing/weight_sync_s": seconds - exported.seconds - applied.fetch_seconds - applied.apply_seconds}

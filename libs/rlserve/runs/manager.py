@@ -1,0 +1,293 @@
+"""The runs of a coordinator: submission, the queue, preflight, cancellation and restart.
+
+The rollout and learner services hold one policy at a time, so runs are
+queued and run one at a time in submission order. A run lives in memory
+while the coordinator is up and in its run directory on disk (run.json,
+events.jsonl) across restarts. A coordinator that starts reloads every run
+with its events (sequence numbers continue); a run that was running resumes
+from its last checkpoint by itself (`checkpointing.auto_resume`, unless the
+cluster file sets the coordinator's `resume_on_restart: false`, in which
+case it is marked FAILED with the command that resumes it).
+
+A submitted run is QUEUED at once; its preflight (checks that need the model
+or the data) runs beside the queue, and a run starts only after its
+preflight passed. Run ids name folders in the runs directory, so a new id
+and a resumed one are checked alike; a run that SUCCEEDED or was CANCELLED
+is resumed only to extend it (a larger `grpo.max_num_steps`).
+
+States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
+A run that ends has a balanced ledger: what was in flight when it failed or
+was cancelled is dropped with reason `failed` or `cancelled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlserve.config import RunSpec, SpecError, load_spec, spec_to_yaml
+from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
+from rlserve.runs.record import STATE_NAMES, TERMINAL, Run
+from rlserve.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("rlserve.coordinator")
+# A run id is a folder name inside the runs directory: no separators, no '..', not hidden.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+RunBody = Callable[[Run], Awaitable[None]]
+
+
+class Admission:
+    """What a run must pass before it is queued (`check`, on the request path, cheap; it returns the spec
+    with its files as confined absolute paths) and before it starts (`preflight`, off the request path,
+    bounded by the manager's time-out). `rlserve.grpo.admission.GrpoAdmission` is the GRPO one."""
+
+    async def check(self, spec: RunSpec) -> RunSpec:
+        return spec
+
+    async def preflight(self, spec: RunSpec) -> None:
+        return None
+
+
+@dataclass
+class _Slot:
+    """The manager's own bookkeeping of one run (the record itself is the API's)."""
+
+    run: Run
+    task: asyncio.Task | None = None
+    preflight: asyncio.Task | None = None
+    preflight_passed: bool = False
+    cancel_requested: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.task is not None and not self.task.done() and self.run.state not in TERMINAL
+
+
+def check_run_id(run_id: str) -> None:
+    if not _RUN_ID.fullmatch(run_id):
+        shown = run_id if len(run_id) <= 80 else run_id[:80] + "..."
+        raise invalid_argument("run_id", f"{shown!r}: 1-128 letters, digits, '-', '_' or '.', starting with a "
+                                         f"letter or digit")
+
+
+class RunManager:
+    def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
+                 resume_on_restart: bool = True):
+        self.runs_dir = runs_dir
+        self.body = body
+        self.admission = admission
+        self.preflight_timeout_s = preflight_timeout_s
+        self.resume_on_restart = resume_on_restart
+        self._slots: dict[str, _Slot] = {}
+        self.queue: list[str] = []
+        self.closing = False
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        self._load_earlier_runs()
+
+    @property
+    def runs(self) -> dict[str, Run]:
+        return {run_id: slot.run for run_id, slot in self._slots.items()}
+
+    def _load_earlier_runs(self) -> None:
+        """Runs of earlier coordinators stay visible with their events; those it left active continue."""
+        for path in sorted(self.runs_dir.glob("*/run.json")):
+            try:
+                run = Run.from_disk(path.parent)
+                run.to_proto()  # a run whose record does not fit the API is skipped, not every ListRuns
+            except (KeyError, TypeError, ValueError, SpecError, OSError) as err:
+                log.warning("skipping run directory %s: %s", path.parent, err)
+                continue
+            self._slots[run.run_id] = _Slot(run)
+        active = sorted((s.run for s in self._slots.values() if s.run.state not in TERMINAL),
+                        key=lambda r: (r.state != pb.RUN_STATE_RUNNING, r.created))
+        for run in active:
+            was = STATE_NAMES[run.state]
+            if run.state == pb.RUN_STATE_CANCELLING:
+                run.end(pb.RUN_STATE_CANCELLED, "the coordinator restarted while the run was cancelling",
+                        reason="cancelled")
+            elif self.resume_on_restart and run.spec.checkpointing.auto_resume:
+                run.resume_reason = f"the coordinator restarted while the run was {was}"
+                run.emit(pb.EVENT_KIND_INFO, f"{run.resume_reason}; it continues from its last checkpoint")
+                self._slots[run.run_id].preflight_passed = True  # it passed when it was submitted
+                self.queue.append(run.run_id)
+            else:
+                why = ("checkpointing.auto_resume is off" if self.resume_on_restart
+                       else "the coordinator's resume_on_restart is off")
+                run.end(pb.RUN_STATE_FAILED, f"the coordinator stopped while the run was {was} ({why}); resume "
+                        f"with `rlserve submit --resume {run.run_id}`", reason="failed")
+        if self.queue:
+            self._schedule()
+
+    def _load_spec(self, spec_yaml: str) -> RunSpec:
+        try:
+            return load_spec(spec_yaml)
+        except SpecError as err:
+            raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
+
+    async def _resumed_spec(self, run_id: str, spec_yaml: str) -> RunSpec:
+        """The stored spec; with `spec_yaml`, that spec, which may differ only in grpo.max_num_steps.
+
+        A run that SUCCEEDED or was CANCELLED is resumed only when the request asks to extend it: a spec
+        whose grpo.max_num_steps is larger than the steps it did.
+        """
+        run_dir = self.runs_dir / run_id
+        if not (run_dir / "spec.yaml").is_file():
+            raise not_found(f"run {run_id!r} has no run directory in {self.runs_dir}")
+        slot = self._slots.get(run_id)
+        earlier = slot.run if slot else None
+        if earlier is not None and earlier.state not in TERMINAL:
+            raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[earlier.state]}")
+        stored = await self.admission.check(self._load_spec((run_dir / "spec.yaml").read_text()))
+        spec = stored
+        if spec_yaml.strip():
+            spec = await self.admission.check(self._load_spec(spec_yaml))
+            mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
+            mine["grpo"].pop("max_num_steps")
+            theirs["grpo"].pop("max_num_steps")
+            if mine != theirs:
+                raise invalid_argument("spec_yaml", "when resuming, only grpo.max_num_steps may change")
+        if earlier is not None and earlier.state in (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_CANCELLED) and (
+                not spec_yaml.strip() or spec.grpo.max_num_steps <= earlier.step):
+            raise failed_precondition(
+                f"run {run_id!r} {STATE_NAMES[earlier.state]} at step {earlier.step}; to continue it, resume "
+                f"with a spec whose grpo.max_num_steps is larger than {earlier.step}")
+        return spec
+
+    async def submit(self, spec_yaml: str, run_id: str, resume: bool) -> Run:
+        if resume and not run_id:
+            raise invalid_argument("run_id", "required with resume")
+        if run_id:
+            check_run_id(run_id)
+        if resume:
+            spec = await self._resumed_spec(run_id, spec_yaml)
+        else:
+            spec = self._load_spec(spec_yaml)
+            if run_id and (run_id in self._slots or (self.runs_dir / run_id).exists()):
+                raise already_exists(f"run {run_id!r} exists")
+            run_id = run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+            # Files confined to the cluster's directories, plug-ins and reward servers allow-listed.
+            spec = await self.admission.check(spec)
+        run_dir = self.runs_dir / run_id
+        # A resumed run keeps its history (events, ledger, step) until its checkpoint is restored.
+        slot = self._slots.get(run_id) if resume else None
+        slot = _Slot(slot.run if slot else Run(run_id, spec, run_dir))
+        run = slot.run
+        run.spec = spec
+        if resume:
+            run.resume_reason = "resumed by SubmitRun"
+        (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        self._slots[run_id] = slot
+        self.queue.append(run_id)
+        run.set_state(pb.RUN_STATE_QUEUED)
+        slot.preflight = asyncio.get_running_loop().create_task(self._preflight(slot))
+        return run
+
+    async def _preflight(self, slot: _Slot) -> None:
+        run = slot.run
+        run.emit(pb.EVENT_KIND_INFO, "preflight: checking the model, the data and the reward functions")
+        try:
+            await asyncio.wait_for(self.admission.preflight(run.spec), self.preflight_timeout_s)
+        except asyncio.TimeoutError:
+            self._fail_queued(run, f"preflight: not done within {self.preflight_timeout_s:.0f}s (model, data set "
+                                   f"or a service too slow)")
+        except RpcError as err:
+            self._fail_queued(run, f"preflight: {err.code.name}: {err.message}")
+        except Exception as err:  # noqa: BLE001 - a preflight failure is the run's, never the coordinator's
+            log.exception("preflight of run %s failed", run.run_id)
+            self._fail_queued(run, f"preflight: {clean(f'{type(err).__name__}: {err}')}")
+        else:
+            if run.state == pb.RUN_STATE_QUEUED:
+                slot.preflight_passed = True
+                run.emit(pb.EVENT_KIND_INFO, "preflight passed")
+        finally:
+            self._schedule()
+
+    def _fail_queued(self, run: Run, message: str) -> None:
+        if run.state != pb.RUN_STATE_QUEUED:
+            return  # cancelled meanwhile
+        if run.run_id in self.queue:
+            self.queue.remove(run.run_id)
+        run.emit(pb.EVENT_KIND_ERROR, message)
+        run.end(pb.RUN_STATE_FAILED, message, reason="failed")
+        run.recorder.close()
+
+    def list_protos(self) -> list[pb.Run]:
+        protos = []
+        for slot in self._slots.values():
+            try:
+                protos.append(slot.run.to_proto())
+            except (ValueError, TypeError) as err:  # one bad record must not hide the others
+                log.warning("run %s cannot be listed: %s", slot.run.run_id, err)
+        return protos
+
+    def get(self, run_id: str) -> Run:
+        slot = self._slots.get(run_id)
+        if slot is None:
+            raise not_found(f"run {run_id!r}")
+        return slot.run
+
+    def task(self, run_id: str) -> asyncio.Task | None:
+        """The task running the run's body (None before it starts)."""
+        return self._slots[run_id].task
+
+    def cancel(self, run_id: str) -> Run:
+        """A queued run is cancelled at once; a running one becomes CANCELLING until its tasks stop."""
+        run = self.get(run_id)
+        slot = self._slots[run_id]
+        if run.state in TERMINAL or run.state == pb.RUN_STATE_CANCELLING:
+            return run
+        if run_id in self.queue:
+            self.queue.remove(run_id)
+            if slot.preflight is not None:
+                slot.preflight.cancel()
+            run.end(pb.RUN_STATE_CANCELLED, "by CancelRun before it started", reason="cancelled")
+        elif slot.task is not None:
+            slot.cancel_requested = True
+            run.set_state(pb.RUN_STATE_CANCELLING, f"by CancelRun at step {run.step}")
+            slot.task.cancel()
+        return run
+
+    async def shutdown(self) -> None:
+        """The coordinator is going away: stop every run's task, leaving the runs as they are on disk."""
+        self.closing = True
+        tasks = [s.task for s in self._slots.values() if s.task is not None and not s.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _schedule(self) -> None:
+        """Start the queue's head once nothing runs; it waits until its preflight passed."""
+        while self.queue and not any(s.active for s in self._slots.values()) and not self.closing:
+            head = self._slots[self.queue[0]]
+            if not head.preflight_passed:
+                return  # its preflight calls _schedule when it ends (and takes it off the queue if it fails)
+            self.queue.pop(0)
+            head.cancel_requested = False
+            head.run.set_state(pb.RUN_STATE_RUNNING)
+            head.task = asyncio.get_running_loop().create_task(self._execute(head))
+
+    async def _execute(self, slot: _Slot) -> None:
+        run = slot.run
+        try:
+            await self.body(run)
+            run.end(pb.RUN_STATE_SUCCEEDED)
+        except asyncio.CancelledError:
+            if not slot.cancel_requested:
+                # The coordinator itself is going away: the run stays RUNNING on disk and the next
+                # coordinator resumes it.
+                raise
+            run.end(pb.RUN_STATE_CANCELLED, f"by CancelRun at step {run.step}", reason="cancelled")
+        except Exception as err:  # noqa: BLE001 - a run's failure is its state, never the coordinator's
+            log.exception("run %s failed", run.run_id)
+            message = clean(str(err)) or type(err).__name__  # no colour codes or tracebacks
+            run.emit(pb.EVENT_KIND_ERROR, message)
+            run.end(pb.RUN_STATE_FAILED, message, reason="failed")
+        run.recorder.close()
+        self._schedule()

@@ -1,0 +1,91 @@
+"""`RunServices` over Serve handles: how the coordinator's runs reach the other applications.
+
+Every call goes through `Retrying` (back-off, time-outs, RETRY events). The
+training batch travels through the object store (one `ray.put`, its ref
+inside a list so Serve hands it over instead of resolving it). An external
+reward server (`reward.endpoint`) is called over gRPC instead of the reward
+application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import ray
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from rlserve.grpo.retry import RetryPolicy, Retrying
+from rlserve.grpo.services import RunServices, ServiceFailure
+from rlserve.training.batch import TrainBatch
+from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2
+
+
+class ServeServices(RunServices):
+    def __init__(self, apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
+                 on_retry: Callable[[str], None]):
+        self.rollout = serve.get_app_handle(apps["rollout"])
+        self.reward = serve.get_app_handle(apps["reward"])
+        self.reference = serve.get_app_handle(apps["reference"])
+        self.learner = serve.get_app_handle(apps["learner"])
+        self.retrying = Retrying(policy, on_retry)
+        self._reward_channel = grpc.aio.insecure_channel(reward_endpoint) if reward_endpoint else None
+        self._reward_stub = reward_pb2_grpc.RewardStub(self._reward_channel) if reward_endpoint else None
+
+    @classmethod
+    async def connect(cls, apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
+                      on_retry: Callable[[str], None], timeout_s: float) -> ServeServices:
+        """Once every application exists: a coordinator that resumes runs as it starts comes up beside the
+        other applications, not after them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls(apps, reward_endpoint, policy, on_retry)
+            except RayServeException as err:
+                if time.monotonic() > deadline:
+                    raise ServiceFailure(f"the services are not deployed after {timeout_s:.0f}s: {err}") from None
+                await asyncio.sleep(2.0)
+
+    def oldest_pending(self) -> tuple[str, float] | None:
+        return self.retrying.oldest_pending()
+
+    async def close(self) -> None:
+        if self._reward_channel is not None:
+            await self._reward_channel.close()
+
+    async def generate(self, req: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        return await self.retrying.call("rollout.Generate", lambda: self.rollout.Generate.remote(req))
+
+    async def update_weights(self, req: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        return await self.retrying.call("rollout.UpdateWeights", lambda: self.rollout.UpdateWeights.remote(req))
+
+    async def rollout_info(self) -> rollout_pb2.GetInfoResponse:
+        return await self.retrying.call("rollout.GetInfo",
+                                        lambda: self.rollout.GetInfo.remote(rollout_pb2.GetInfoRequest()))
+
+    async def score(self, req: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        if self._reward_stub is not None:
+            return await self.retrying.call("reward.Score", lambda: self._reward_stub.Score(req))
+        return await self.retrying.call("reward.Score", lambda: self.reward.Score.remote(req))
+
+    async def reference_logprobs(self, req: reference_pb2.LogProbsRequest) -> reference_pb2.LogProbsResponse:
+        return await self.retrying.call("reference.LogProbs", lambda: self.reference.LogProbs.remote(req))
+
+    async def configure(self, req: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
+        return await self.retrying.call("learner.Configure", lambda: self.learner.Configure.remote(req))
+
+    async def train_step(self, req: learner_pb2.TrainStepRequest, batch: TrainBatch) -> learner_pb2.TrainStepResponse:
+        ref = ray.put(batch)
+        return await self.retrying.call("learner.TrainStep", lambda: self.learner.TrainStep.remote(req, [ref]))
+
+    async def export_weights(self, req: learner_pb2.ExportWeightsRequest) -> learner_pb2.ExportWeightsResponse:
+        return await self.retrying.call("learner.ExportWeights", lambda: self.learner.ExportWeights.remote(req))
+
+    async def save_checkpoint(self, req: learner_pb2.SaveCheckpointRequest) -> learner_pb2.SaveCheckpointResponse:
+        return await self.retrying.call("learner.SaveCheckpoint", lambda: self.learner.SaveCheckpoint.remote(req))
+
+    async def load_checkpoint(self, req: learner_pb2.LoadCheckpointRequest) -> learner_pb2.LoadCheckpointResponse:
+        return await self.retrying.call("learner.LoadCheckpoint", lambda: self.learner.LoadCheckpoint.remote(req))
