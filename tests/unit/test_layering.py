@@ -78,3 +78,36 @@ def test_module_level_imports_form_no_circle():
         if start not in state:
             found = cycle_from(start, [start])
             assert found is None, " -> ".join(found)
+
+
+# Modules of the library that may import Ray, each with the reason: they move data or calls between
+# processes. Everything else (the loop, the backends, the engines, the losses) runs without Ray.
+RAY_ALLOWED = {
+    "rlserve.rpc": "reads the gRPC status out of what a Serve handle call raised",
+    "rlserve.cluster.deployment": "builds the Serve applications",
+    "rlserve.cluster.lifecycle": "starts, stops and inspects the Ray cluster",
+    "rlserve.cluster.join": "joins a node to the cluster",
+    "rlserve.cluster.loopback": "binds Ray's own listeners to loopback",
+    "rlserve.weights.store": "the weight store actor (newest publication, in the object store)",
+    "rlserve.weights.direct": "the learner's sender: buckets into the object store, fleet commands",
+    "rlserve.weights.follower": "a rollout replica's follower: fetches publications from the object store",
+}
+
+
+def test_ray_is_imported_only_where_data_moves_between_processes():
+    found = {module_name(p) for p in sources("libs/rlserve")
+             if any(m == "ray" or m.startswith("ray.") for m in imports(p, False))}
+    assert found - set(RAY_ALLOWED) == set(), "import Ray only in modules that move data between processes"
+    assert set(RAY_ALLOWED) - found == set(), "stale entries in RAY_ALLOWED"
+
+
+def test_the_serve_config_names_real_application_builders():
+    from rlserve.cluster.serve_config import APPS
+
+    for name, import_path in APPS.items():
+        module, _, attr = import_path.partition(":")
+        path = ROOT / Path(*module.split(".")).with_suffix(".py")
+        assert path.is_file(), f"{name}: {module} is not a module of this repository"
+        tree = ast.parse(path.read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == attr for n in tree.body), \
+            f"{name}: {module} has no top-level {attr}()"
