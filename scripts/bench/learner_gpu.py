@@ -153,13 +153,15 @@ def copy_bandwidths(gib: float = 2.0) -> dict[str, float]:
 
 def export_seconds(backend: LearnerBackend, bucket_mb: int = 512) -> tuple[float, int]:
     """One bf16 weight export into host-memory buckets, as the learner worker streams it."""
-    from rlserve.weights.buckets import iter_buckets, tensor_bytes
+    from rlserve.weights.buckets import BucketWriter
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    nbytes = sum(tensor_bytes(t) for bucket in iter_buckets(backend.export_weights(torch.bfloat16),
-                                                             bucket_mb * 2**20) for t in bucket.values())
-    return time.perf_counter() - t0, nbytes
+    writer = BucketWriter(bucket_mb * 2**20, lambda bucket: None)  # the object-store put is not timed
+    for name, tensor in backend.export_weights(torch.bfloat16):
+        writer.add(name, tensor)
+    writer.flush()
+    return time.perf_counter() - t0, writer.num_bytes
 
 
 def main() -> None:

@@ -133,9 +133,14 @@ def exported_tensors(path: Path, device: torch.device) -> list[tuple[str, torch.
 
 
 def buckets(named: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    from rlserve.weights.buckets import iter_buckets
+    from rlserve.weights.buckets import BucketWriter
 
-    return [list(b.items()) for b in iter_buckets(named, max_bytes)]
+    plan: list[list[tuple[str, torch.Tensor]]] = []
+    writer = BucketWriter(max_bytes, lambda bucket: plan.append(list(bucket.items())))
+    for name, tensor in named:
+        writer.add(name, tensor)
+    writer.flush()
+    return plan
 
 
 def weights_phase(args: argparse.Namespace, device: torch.device, scratch: Path) -> dict | None:

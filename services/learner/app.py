@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlserve import cpu_affinity
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec, SpecError, load_spec
+from rlserve.learner.publisher import Published
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument, not_found
@@ -193,17 +194,17 @@ class Learner:
         store = request.store_name or self.args.weight_store
         async with self.lock:
             session = self._require(request.run_id)
-            out = (await self._all([w.export.remote(request.run_id, store, request.direct, request.in_flight,
-                                                     self.args.weight_transfer_timeout_s)
-                                    for w in session.workers]))[0]
-            event(log, "learner.weights_published", run=request.run_id, version=out["version"],
-                  buckets=out["buckets"], tensors=out["tensors"], mb=out["bytes"] / 2**20, seconds=out["seconds"],
-                  direct_mb=out["direct_bytes"] / 2**20, receivers=out["receivers"],
-                  failed=out["failed"] or None)
+            results = await self._all([w.export.remote(request.run_id, store, request.direct, request.in_flight,
+                                                        self.args.weight_transfer_timeout_s) for w in session.workers])
+            out: Published = results[0]  # rank 0 publishes and says what it did; the other ranks answer None
+            failed = [f"{who}: {why}" for who, why in out.failed.items()]
+            event(log, "learner.weights_published", run=request.run_id, version=out.version,
+                  buckets=out.num_buckets, tensors=out.num_tensors, mb=out.num_bytes / 2**20, seconds=out.seconds,
+                  direct_mb=out.direct_bytes / 2**20, receivers=out.receivers, failed=failed or None)
             return learner_pb2.ExportWeightsResponse(
-                weight_version=out["version"], num_buckets=out["buckets"], num_tensors=out["tensors"],
-                num_bytes=out["bytes"], seconds=out["seconds"], direct_bytes=out["direct_bytes"],
-                receivers=out["receivers"], failed=out["failed"])
+                weight_version=out.version, num_buckets=out.num_buckets, num_tensors=out.num_tensors,
+                num_bytes=out.num_bytes, seconds=out.seconds, direct_bytes=out.direct_bytes,
+                receivers=out.receivers, failed=failed)
 
     @grpc_method
     async def SaveCheckpoint(self, request: learner_pb2.SaveCheckpointRequest

@@ -1,14 +1,13 @@
 """One learner rank as a Ray actor: a thin host around a Ray-free backend.
 
 The actor sets up torch.distributed, builds the backend and forwards calls;
-the only Ray-specific work here is weight sync (`rlserve.weights.direct`):
+the only Ray-specific work here is weight sync (`rlserve.learner.publisher`):
 rank 0 sends each version to the rollout engines and publishes the store copy.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import ray
@@ -18,9 +17,10 @@ from rlserve.config import load_spec
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.learner import make_backend
 from rlserve.learner.interfaces import BackendInfo, StepResult
+from rlserve.learner.publisher import Published, Publisher
 from rlserve.training.batch import TrainBatch
 from rlserve.training.distributed import device_for, init_process_group
-from rlserve.weights.direct import Publisher
+from rlserve.weights.fleet import get_fleet
 from rlserve.weights.store import get_store
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,23 +48,21 @@ class LearnerWorker:
     def train_step(self, batch: TrainBatch, loss: str, lr: float | None) -> StepResult:
         return self.backend.train_step(batch, loss, lr)
 
-    def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool, timeout_s: float) -> dict:
-        """Walk the export on every rank (the gathers are collective); rank 0 sends and publishes."""
+    def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool,
+               timeout_s: float) -> Published | None:
+        """Walk the export on every rank (the gathers are collective); rank 0 sends and publishes and
+        says what it did. The other ranks only join the gathers: None."""
         # Unset outside a coordinator's run (which fills it from the deployed rollout): the training dtype.
         precision = self.spec.policy.generation.vllm_cfg.precision
         dtype = _DTYPES[precision] if precision else None
         if self.rank != 0:
-            t0 = time.perf_counter()
             for _ in self.backend.export_weights(dtype):
                 pass
-            return {"version": self.backend.version, "seconds": time.perf_counter() - t0}
+            return None
         if self.publisher is None:
-            self.publisher = Publisher(self.backend, get_store(store_name),
+            self.publisher = Publisher(self.backend, get_store(store_name), get_fleet(store_name),
                                        self.spec.policy.refit_buffer_size_mb * 2**20, timeout_s)
-        out = self.publisher.publish(run_id, dtype, in_flight, direct)
-        return {"version": out.version, "buckets": out.num_buckets, "tensors": out.num_tensors,
-                "bytes": out.num_bytes, "seconds": out.seconds, "direct_bytes": out.direct_bytes,
-                "receivers": out.receivers, "failed": [f"{k}: {v}" for k, v in out.failed.items()]}
+        return self.publisher.publish(run_id, dtype, in_flight, direct)
 
     def save_checkpoint(self, path: str) -> None:
         self.backend.save_checkpoint(Path(path))

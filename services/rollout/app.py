@@ -3,7 +3,7 @@
 A replica serves many requests at once (vLLM's AsyncLLM schedules them;
 the transformers engine takes them in turn). New weights arrive while they
 run: straight from the learner through vLLM's weight-transfer API, or from
-the weight store (`rlserve.weights.follower`). Each sample names the weight
+the weight store (`rlserve.rollout.follower`). Each sample names the weight
 versions that generated its tokens.
 """
 
@@ -21,11 +21,12 @@ from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
+from rlserve.rollout.follower import WeightFollower
 from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, SamplingSpec
 from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
 from rlserve.security.paths import PathsArgs
 from rlserve.v1 import common_pb2, rollout_pb2
-from rlserve.weights.follower import WeightFollower
+from rlserve.weights.fleet import get_fleet
 from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME, get_store
 
@@ -86,8 +87,8 @@ class Rollout:
         self.fingerprint = fingerprint(specs)
         self.info = self.engine.info()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.weights = WeightFollower(get_store(self.args.weight_store), self.engine, specs, self.replica_id,
-                                      self.args.weight_transfer_timeout_s)
+        self.weights = WeightFollower(get_store(self.args.weight_store), get_fleet(self.args.weight_store),
+                                      self.engine, specs, self.replica_id, self.args.weight_transfer_timeout_s)
         await self.weights.start()
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
               version=self.weights.version, fingerprint=self.fingerprint,

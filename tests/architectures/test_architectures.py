@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from rlserve.learner.megatron.hf_map import hf_to_megatron
 from rlserve.learner.megatron.support import unsupported_reasons
 from rlserve.reference.scorer import ReferenceScorer, Sequence
-from rlserve.weights.hf_megatron import hf_to_megatron
 from rlserve.weights.specs import checkpoint_specs
 from tests.support.aio import LoopThread
 from tests.support.architectures import (

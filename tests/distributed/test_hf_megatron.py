@@ -18,8 +18,8 @@ pytest.importorskip("megatron.core")
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from rlserve.learner.megatron.hf_map import hf_to_megatron, megatron_param_to_hf, padded_vocab_size, tp_split_dim
 from rlserve.models import resolve_model
-from rlserve.weights.hf_megatron import hf_to_megatron, megatron_param_to_hf, padded_vocab_size, tp_split_dim
 from tests.support.megatron_convert import iter_megatron_to_hf, megatron_to_hf
 from tests.support.megatron_cpu import megatron_world_size_1, model_parallel, spawn_workers  # noqa: F401 (fixture)
 

@@ -112,7 +112,7 @@ def test_update_from_the_store_switches_models_exactly(vllm_engine, loop, other_
 
 
 class LocalClient:
-    """vLLM's weight-sync client for an engine in this process (the service uses the store's fleet)."""
+    """vLLM's weight-sync client for an engine in this process (the service uses the fleet)."""
 
     def __init__(self, engine, loop: LoopThread, version: int):
         self.engine, self.loop, self.version = engine, loop, version
@@ -152,7 +152,7 @@ def test_in_flight_direct_update_continues_running_requests_on_the_new_weights(v
 
     from rlserve.weights import gloo_transfer
 
-    gloo_transfer.register()
+    gloo_transfer.register_sender()
     base = resolve_model("preset:tiny")
     version = vllm_engine.version + 1
     running = loop.submit(vllm_engine.generate(PROMPTS, 4, LONG))
@@ -259,7 +259,7 @@ def test_direct_update_of_a_tied_model_is_exact(tmp_path, loop):
 
     from rlserve.weights import gloo_transfer
 
-    gloo_transfer.register()
+    gloo_transfer.register_sender()
     tied_cfg = replace(get_preset("tiny"), tie_word_embeddings=True)
     tied, other = make_model(tied_cfg, tmp_path / "tied"), make_model(tied_cfg, tmp_path / "other", seed=5)
     sampling = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=3)

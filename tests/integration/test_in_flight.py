@@ -19,6 +19,7 @@ from ray import serve
 
 from rlserve.models import resolve_model
 from rlserve.v1 import common_pb2, learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlserve.weights.fleet import fleet_name
 from rlserve.weights.store import DEFAULT_STORE_NAME, STORE_NAMESPACE
 from tests.integration.rollout_support import logprob_errors
 
@@ -137,7 +138,7 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
 
 def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(channel, learner, ray_driver):
     stub = rollout_pb2_grpc.RolloutStub(channel)
-    store = ray.get_actor(DEFAULT_STORE_NAME, namespace=STORE_NAMESPACE)
+    fleet = ray.get_actor(fleet_name(DEFAULT_STORE_NAME), namespace=STORE_NAMESPACE)
     wait_for_versions(stub, 1)
     # Without in-flight updates each replica finishes its running requests before loading, which
     # holds the transfer at its last step long enough to kill a replica in it.
@@ -146,7 +147,7 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     export = train_and_export(learner, 2, in_flight=False)
     deadline = time.time() + 120
     while True:
-        pending = ray.get(store.pending.remote())
+        pending = ray.get(fleet.pending.remote())
         waiting = [m for m, kinds in pending.items() if "finish" in kinds]
         if waiting:
             break

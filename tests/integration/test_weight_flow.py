@@ -41,7 +41,7 @@ def replicas_versions(stub, calls=12) -> dict[str, int]:
 
 
 def settle(stub, version: int, timeout_s: float = 60) -> dict[str, int]:
-    """Both replicas serve `version` (the one called loads it at once, the other on the store's notice)."""
+    """Both replicas serve `version` (the one called loads it at once, the other on the fleet's announcement)."""
     deadline = time.time() + timeout_s
     while True:
         versions = replicas_versions(stub)

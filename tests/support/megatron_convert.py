@@ -1,6 +1,6 @@
 """Whole-model HF <-> Megatron conversion for tests: every rank's shard in one process.
 
-The product path converts one parameter at a time (`rlserve.weights.hf_megatron.megatron_param_to_hf`,
+The product path converts one parameter at a time (`rlserve.learner.megatron.hf_map.megatron_param_to_hf`,
 driven by the megatron backend's exporter); these helpers assemble a whole model from
 per-rank state dicts, which only tests can afford.
 """
@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from torch import Tensor
 
-from rlserve.weights.hf_megatron import (
+from rlserve.learner.megatron.hf_map import (
     _expert_placement,
     _from_shards,
     _global_rule_index,

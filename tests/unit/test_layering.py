@@ -1,5 +1,6 @@
 """The layering the design promises, checked on the source: the library and the scripts never
-import a service, no service imports another service, and module-level imports form no circle."""
+import a service, no service imports another service, weights/ (store, fleet, transport) imports
+neither the learner nor the rollout, and module-level imports form no circle."""
 
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ def test_no_service_imports_another_service():
         if other:
             offenders[str(path.relative_to(ROOT))] = other
     assert offenders == {}
+
+
+def test_weights_import_neither_learner_nor_rollout():
+    """Both sides depend on weights/, never the reverse (not even inside a function)."""
+    sides = (["rlserve", "learner"], ["rlserve", "rollout"])
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in imports(p, False) if m.split(".")[:2] in sides)
+                 for p in sources("libs/rlserve/weights")}
+    assert {k: v for k, v in offenders.items() if v} == {}
 
 
 def test_module_level_imports_form_no_circle():

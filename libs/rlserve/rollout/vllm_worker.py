@@ -3,8 +3,9 @@
 vLLM builds its workers in its own engine process, so anything rlserve needs
 there must arrive by import: naming this class as the engine's
 `worker_extension_cls` imports this module in every worker before the model
-loads, which registers the `gloo` weight-transfer engine with vLLM's factory
-(the worker creates its transfer engine right after loading the model).
+loads, which registers the receiving side of the `gloo` weight-transfer engine
+with vLLM's factory (the worker creates its transfer engine right after
+loading the model), its loads made consistent by `vllm_reload`.
 
 The import also ties vLLM's processes to the rollout replica's life. The
 engine core is a child of the replica, the worker a child of the engine core,
@@ -57,7 +58,14 @@ def _die_with_replica() -> None:
     threading.Thread(target=watch, name="rlserve-replica-watch", daemon=True).start()
 
 
-gloo_transfer.register()
+class GlooReceiver(gloo_transfer.GlooWeightTransferEngine):
+    """The gloo engine's receiving side, reloading with the CPU repacking vLLM's reload misses."""
+
+    def reload_guard(self) -> contextlib.AbstractContextManager:
+        return vllm_reload.consistent_reload(self.model)
+
+
+gloo_transfer.register_receiver(GlooReceiver)
 _die_with_replica()
 
 

@@ -1,13 +1,14 @@
-"""Split a stream of HF-named tensors into buckets of bounded bytes.
+"""Pack a stream of HF-named tensors into buckets of bounded bytes.
 
-Buckets bound the memory a weight transfer needs on both sides: the learner
-materialises one bucket of full tensors at a time, the generator applies one
-at a time. A tensor larger than the bound travels alone in its own bucket.
+Buckets bound what the learner holds for the weight store's copy: rank 0
+keeps only the bucket it is filling and puts each full one in the object
+store, never the whole model at once. A tensor larger than the bound travels
+alone in its own bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -32,17 +33,30 @@ def to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return host.copy_(t)
 
 
-def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    if max_bytes <= 0:
-        raise ValueError(f"bucket size must be positive, got {max_bytes}")
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in named:
+class BucketWriter:
+    """Packs tensors, in the order added, into buckets of at most `max_bytes`; each full bucket
+    goes to `emit` (the writer keeps only the bucket it is filling)."""
+
+    def __init__(self, max_bytes: int, emit: Callable[[dict[str, torch.Tensor]], None]):
+        if max_bytes <= 0:
+            raise ValueError(f"bucket size must be positive, got {max_bytes}")
+        self.max_bytes, self.emit = max_bytes, emit
+        self.num_buckets = self.num_tensors = self.num_bytes = 0
+        self._bucket: dict[str, torch.Tensor] = {}
+        self._size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor_bytes(tensor)
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = tensor
-        size += nbytes
-    if bucket:
-        yield bucket
+        if self._bucket and self._size + nbytes > self.max_bytes:
+            self.flush()
+        self._bucket[name] = tensor
+        self._size += nbytes
+        self.num_tensors += 1
+        self.num_bytes += nbytes
+
+    def flush(self) -> None:
+        """Emit the bucket being filled, if any (call it after the last tensor)."""
+        if self._bucket:
+            self.emit(self._bucket)
+            self.num_buckets += 1
+            self._bucket, self._size = {}, 0

@@ -8,7 +8,9 @@ engine through a client while it sends the tensors; the worker side
 (`WeightTransferEngine`) receives them and loads them with vLLM's layerwise
 reload. vLLM ships `nccl` and `ipc` (GPU only). This module registers a third
 engine, `gloo`, in both of vLLM's factories, so that CPU clusters (and CI) run
-the same control path as GPU clusters, with only the engine name changed.
+the same control path as GPU clusters, with only the engine name changed: the
+learner registers the sending side (`register_sender`), each vLLM worker the
+receiving side (`register_receiver`, from `rlserve/rollout/vllm_worker.py`).
 
 How it moves the bytes:
 - Ranks as in vLLM's NCCL engine: the sending learner rank is 0, engine
@@ -24,8 +26,9 @@ How it moves the bytes:
 - The worker posts a receive for every tensor at `update_weights` and returns:
   gloo's I/O threads fill the buffers while the engine keeps generating. The
   model is touched only at `finish_weight_update`, which waits for the last
-  byte and then loads (vLLM's layerwise reload, with rlserve's CPU repacking:
-  `rlserve.rollout.vllm_reload`) while the caller holds the
+  byte and then loads (vLLM's layerwise reload, inside the receiver's
+  `reload_guard`: the rollout supplies its CPU repacking there, so this
+  transport needs nothing from the rollout) while the caller holds the
   engine paused. A transfer that fails leaves the old weights serving. The
   price is one model-sized staging buffer per worker.
 """
@@ -35,8 +38,10 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -85,13 +90,6 @@ def open_store(host: str, port: int, timeout_s: float) -> TCPStore:
                     master_listen_fd=listener.detach())
 
 
-def tensor_nbytes(meta: ParamMeta) -> int:
-    numel = 1
-    for d in meta.shape:
-        numel *= d
-    return numel * torch.empty((), dtype=meta.dtype).element_size()
-
-
 # --- worker side (inside vLLM's engine process) ---------------------------------------------------
 
 
@@ -122,7 +120,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-    """Receives into staging buffers while the engine runs; loads at `finish_weight_update`."""
+    """Receives into staging buffers while the engine runs; loads at `finish_weight_update`.
+
+    Abstract: a subclass says what the load runs inside (`reload_guard`).
+    """
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -162,12 +163,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             work.wait()
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from rlserve.rollout.vllm_reload import consistent_reload
-
-        with consistent_reload(self.model):
+        with self.reload_guard():
             initialize_layerwise_reload(self.model)
             self.model.load_weights((name, buf) for name, buf, _ in pending)
             finalize_layerwise_reload(self.model, self.model_config)
+
+    @abstractmethod
+    def reload_guard(self) -> AbstractContextManager:
+        """What vLLM's layerwise reload of `self.model` runs inside (e.g. repacking the layers it
+        leaves stale on some platforms)."""
 
     def abort(self) -> None:
         """Drop a round that cannot complete (its buffers); the model was never touched."""
@@ -308,9 +312,14 @@ def checked(source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -
         raise ValueError(f"the weight source yielded {n} tensors, its metadata declared {len(meta)}")
 
 
-def register() -> None:
-    """Make `gloo` a weight-transfer engine name in both of vLLM's factories (idempotent)."""
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+def register_sender() -> None:
+    """Make `gloo` a weight-transfer engine name in vLLM's trainer-side factory (idempotent)."""
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, GlooTrainerWeightTransferEngine)
+
+
+def register_receiver(engine_cls: type[GlooWeightTransferEngine]) -> None:
+    """Make `gloo` a weight-transfer engine name in vLLM's worker-side factory, built as `engine_cls`
+    (idempotent: the first class registered in a process stays)."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, engine_cls)

@@ -59,6 +59,7 @@ from rlserve.learner.megatron.forward import (
     padded_shape,
     vocab_parallel_logprobs,
 )
+from rlserve.learner.megatron.hf_map import padded_vocab_size
 from rlserve.learner.megatron.parallel_dims import (
     MegatronLayout,
     ModelShape,
@@ -72,7 +73,6 @@ from rlserve.models.architecture import num_experts
 from rlserve.training.batch import MicroBatch
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
-from rlserve.weights.hf_megatron import padded_vocab_size
 from rlserve.weights.specs import checkpoint_specs
 
 log = logging.getLogger(__name__)

@@ -2,11 +2,11 @@
 
 `megatron_config_from_hf` picks the TransformerConfig whose forward equals
 the HF model's (which models qualify: `rlserve.learner.megatron.support`;
-checked to 1e-4 in fp32 by `tests/unit/weights/test_hf_megatron.py` and
+checked to 1e-4 in fp32 by `tests/distributed/test_hf_megatron.py` and
 `tests/architectures/`). Qwen3's per-head q/k RMSNorm is megatron's
 `qk_layernorm`; Phi3's partial rotary factor is `rotary_percent`. `build_gpt_model` builds the model
 with the local layer spec (or the Transformer Engine spec on GPUs); weights
-come from `rlserve.weights.hf_megatron.hf_to_megatron` and go in through
+come from `rlserve.learner.megatron.hf_map.hf_to_megatron` and go in through
 `load_megatron_state`.
 
 Mixtral routing. HF (`MixtralTopKRouter`): softmax over all expert logits in
@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlserve.learner.megatron.hf_map import padded_vocab_size
 from rlserve.learner.megatron.support import check_supported, rope_settings
 from rlserve.models.architecture import num_experts
-from rlserve.weights.hf_megatron import padded_vocab_size
 
 __all__ = ["megatron_config_from_hf", "build_gpt_model", "load_megatron_state", "padded_vocab_size"]
 

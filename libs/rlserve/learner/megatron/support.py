@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlserve.learner.megatron.hf_map import SUPPORTED_MODEL_TYPES
 from rlserve.models.architecture import OutputLogits, num_experts
-from rlserve.weights.hf_megatron import SUPPORTED_MODEL_TYPES
 
 ALTERNATIVE = "train it with the dtensor backend (policy.dtensor_cfg.enabled: true, the default)"
 

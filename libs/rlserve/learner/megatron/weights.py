@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from rlserve.learner.megatron.hf_map import hf_to_megatron, megatron_param_to_hf, tp_split_dim
 from rlserve.weights.buckets import to_host
-from rlserve.weights.hf_megatron import hf_to_megatron, megatron_param_to_hf, tp_split_dim
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

@@ -7,9 +7,11 @@ each tensor goes
 - to every rollout engine through vLLM's weight-transfer API
   (`WeightTransferTrainerFactory.trainer_init` with the engine the replicas
   run: `gloo`, `nccl` or `ipc`; `FleetClient` reaches the replicas through the
-  weight store's fleet), and
-- into the object store, bucket by bucket: the one copy that replicas
-  starting later catch up from (published in the weight store).
+  fleet, `rlserve.weights.fleet`), and
+- into the object store, bucket by bucket (`rlserve.weights.buckets`): the one
+  copy that replicas starting later catch up from, published in the weight
+  store (`rlserve.weights.store`) and then announced to the fleet, so that a
+  replica the direct transfer missed loads it at once.
 
 Rank 0 holds at most a bucket of tensors for each of the two at a time, never
 the model. The first version of a session goes through the store only: the
@@ -31,21 +33,21 @@ import torch
 
 from rlserve.learner.interfaces import LearnerBackend
 from rlserve.logs import event
-from rlserve.weights.buckets import tensor_bytes
-from rlserve.weights.store import Member
+from rlserve.weights.buckets import BucketWriter
+from rlserve.weights.fleet import Member
 
 log = logging.getLogger("rlserve.learner")
 
 
 class FleetClient:
-    """vLLM's `VLLMWeightSyncClient` over the weight store's fleet: every call reaches every member.
+    """vLLM's `VLLMWeightSyncClient` over the fleet: every call reaches every member.
 
     Members that fail a step (or stop answering) are dropped from the rest of
     the round instead of failing it; they catch up from the store copy.
     """
 
-    def __init__(self, store: ray.actor.ActorHandle, members: list[Member], timeout_s: float):
-        self.store, self.members, self.timeout_s = store, members, timeout_s
+    def __init__(self, fleet: ray.actor.ActorHandle, members: list[Member], timeout_s: float):
+        self.fleet, self.members, self.timeout_s = fleet, members, timeout_s
         self.first_rank: dict[str, int] = {}
         rank = 0
         for m in members:
@@ -66,7 +68,7 @@ class FleetClient:
         live = {mid: p for mid, p in payload.items() if mid not in self.failed}
         if not live:
             return
-        results = ray.get(self.store.command.remote(kind, live, self.timeout_s))
+        results = ray.get(self.fleet.command.remote(kind, live, self.timeout_s))
         for member_id, error in results.items():
             if error is not None:
                 self.failed[member_id] = f"{kind}: {error}"
@@ -98,31 +100,6 @@ class FleetClient:
         self._fan_out("abort", self._each({}))
 
 
-class StoreCopy:
-    """Buckets of exported tensors put in the object store (one copy), for the weight store to publish."""
-
-    def __init__(self, bucket_bytes: int):
-        self.bucket_bytes = bucket_bytes
-        self.refs: list[ray.ObjectRef] = []
-        self.num_tensors = self.num_bytes = 0
-        self._bucket: dict[str, torch.Tensor] = {}
-        self._size = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor_bytes(tensor)
-        if self._bucket and self._size + nbytes > self.bucket_bytes:
-            self.flush()
-        self._bucket[name] = tensor
-        self._size += nbytes
-        self.num_tensors += 1
-        self.num_bytes += nbytes
-
-    def flush(self) -> None:
-        if self._bucket:
-            self.refs.append(ray.put(self._bucket))
-            self._bucket, self._size = {}, 0
-
-
 class ExportSource:
     """vLLM's `WeightSource` over a learner backend's export, copying each tensor to the store.
 
@@ -134,12 +111,12 @@ class ExportSource:
         self.backend = backend
         self.known: list | None = None
         self._dtype: torch.dtype | None = None
-        self._copy: StoreCopy | None = None
+        self._copy: BucketWriter | None = None
         self._walk: Iterator[tuple[str, torch.Tensor]] | None = None
         self._seen: list = []
         self._complete = False
 
-    def begin(self, dtype: torch.dtype | None, copy: StoreCopy) -> None:
+    def begin(self, dtype: torch.dtype | None, copy: BucketWriter) -> None:
         self._dtype, self._copy, self._seen, self._complete = dtype, copy, [], False
         self._walk = self._tensors()
 
@@ -173,24 +150,28 @@ class ExportSource:
         self._complete = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Published:
+    """What one `Publisher.publish` did (rank 0's; the other ranks only join the export's gathers)."""
+
     version: int
     num_buckets: int
     num_tensors: int
     num_bytes: int  # one copy of the model in the export dtype
     seconds: float
-    direct_bytes: int = 0  # bytes sent to engines (all of them together)
-    receivers: int = 0
+    direct_bytes: int  # bytes sent to engines (all of them together; 0: store only)
+    receivers: int  # replicas the version was sent to directly
+    # Receivers (or "all") that dropped out of the direct transfer -> why; they catch up from the store.
     failed: dict[str, str] = field(default_factory=dict)
 
 
 class Publisher:
     """Rank 0's weight sync for one learner session (keeps the transfer group between versions)."""
 
-    def __init__(self, backend: LearnerBackend, store: ray.actor.ActorHandle, bucket_bytes: int,
-                 timeout_s: float):
-        self.backend, self.store, self.bucket_bytes, self.timeout_s = backend, store, bucket_bytes, timeout_s
+    def __init__(self, backend: LearnerBackend, store: ray.actor.ActorHandle, fleet: ray.actor.ActorHandle,
+                 bucket_bytes: int, timeout_s: float):
+        self.backend, self.store, self.fleet = backend, store, fleet
+        self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.source = ExportSource(backend)
         self._engine = None
         self._client: FleetClient | None = None
@@ -198,36 +179,40 @@ class Publisher:
         self._generation = 0
 
     def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool) -> Published:
+        """Send this version to the engines (`direct`, from the session's second version on), publish
+        the store copy and announce it to the fleet."""
         t0 = time.perf_counter()
-        copy = StoreCopy(self.bucket_bytes)
+        refs: list[ray.ObjectRef] = []
+        copy = BucketWriter(self.bucket_bytes, lambda bucket: refs.append(ray.put(bucket)))
         self.source.begin(dtype, copy)
         version = self.backend.version
-        out = Published(version, 0, 0, 0, 0.0)
+        direct_bytes, receivers, failed = 0, 0, {}
         members = self._receivers() if direct and self.source.known is not None else []
         if members:
             try:
                 engine = self._ensure_group(members)
                 self._client.begin(run_id, version, in_flight)
                 engine.send_weights()
-                out.direct_bytes, out.receivers = engine.bytes_sent, len(members)
-                out.failed = dict(self._client.failed)
-                out.failed.update({f"rank {r}": "link lost" for r in getattr(engine, "failed_ranks", ())})
+                direct_bytes, receivers = engine.bytes_sent, len(members)
+                failed = dict(self._client.failed)
+                failed.update({f"rank {r}": "link lost" for r in getattr(engine, "failed_ranks", ())})
             except Exception as err:  # noqa: BLE001 - the store copy below still reaches every replica
-                out.failed = {"all": f"{type(err).__name__}: {err}"}
+                failed = {"all": f"{type(err).__name__}: {err}"}
                 event(log, "learner.weight_transfer_failed", logging.WARNING, version=version,
                       error=str(err)[:300])
                 if self._client is not None:
                     self._client.abort()
-            if out.failed:
+            if failed:
                 self._group_key = None  # re-form the group next time
         self.source.finish()
-        ray.get(self.store.publish.remote(run_id, version, copy.refs, copy.num_tensors, copy.num_bytes, in_flight))
-        out.num_buckets, out.num_tensors, out.num_bytes = len(copy.refs), copy.num_tensors, copy.num_bytes
-        out.seconds = time.perf_counter() - t0
-        return out
+        publish_id = ray.get(self.store.publish.remote(run_id, version, refs, copy.num_tensors, copy.num_bytes,
+                                                       in_flight))
+        ray.get(self.fleet.announce.remote(publish_id, version))
+        return Published(version, copy.num_buckets, copy.num_tensors, copy.num_bytes, time.perf_counter() - t0,
+                         direct_bytes, receivers, failed)
 
     def _receivers(self) -> list[Member]:
-        generation, members = ray.get(self.store.members.remote())
+        generation, members = ray.get(self.fleet.members.remote())
         direct = [m for m in members if m.transfer_backend]
         backends = {m.transfer_backend for m in direct}
         if len(backends) > 1:
@@ -246,10 +231,10 @@ class Publisher:
 
         from rlserve.weights import gloo_transfer
 
-        gloo_transfer.register()
+        gloo_transfer.register_sender()
         if self._engine is not None:
             self._engine.shutdown()
-        self._client = FleetClient(self.store, members, self.timeout_s)
+        self._client = FleetClient(self.fleet, members, self.timeout_s)
         world_size = 1 + sum(m.num_workers for m in members)
         info = trainer_init_info(members[0].transfer_backend, world_size, self.bucket_bytes, self.timeout_s)
         self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=self.source)

@@ -4,7 +4,7 @@ The project's interchange layout is HF parameter names exactly as they are in
 the safetensors checkpoint (MoE experts unfused: `...experts.3.w1.weight`),
 with full, unsharded tensors. Megatron-Core 0.16.1's GPTModel differs as
 follows, and this module undoes it (checked against the 0.16.1 source, and by
-the logits checks in `tests/unit/weights/test_hf_megatron.py`):
+the logits checks in `tests/distributed/test_hf_megatron.py`):
 
 - Fused QKV, grouped per KV head (`transformer/attention.py`,
   `SelfAttention.get_query_key_value_tensors`): rows are, for each query group

@@ -1,12 +1,13 @@
 """A rollout replica's side of weight sync: direct transfers from the learner, catch-up from the store.
 
-The replica joins the weight store's fleet (`store.py`) and long-polls its
+The replica joins the fleet (`rlserve.weights.fleet`) and long-polls its
 mailbox. Two things arrive there:
 
 - The steps of a direct transfer (vLLM's weight-transfer API, driven by the
   learner): init, start, update, finish, abort. Each is checked and handed to
   the engine, which pauses, loads and resumes as the engine sees fit.
-- Notices of new publications. A replica that already holds that version (it
+- Announcements of new publications in the weight store
+  (`rlserve.weights.store`). A replica that already holds that version (it
   came directly) ignores it; any other loads it from the store: a replica that
   started late, restarted, or lost its link during a transfer.
 
@@ -31,11 +32,12 @@ import torch
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine
 from rlserve.rpc import RpcError, failed_precondition, invalid_argument, unavailable
+from rlserve.weights.fleet import PUBLISHED, Command, Member
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
-from rlserve.weights.store import Command, Member, Publication
+from rlserve.weights.store import Publication
 
 log = logging.getLogger("rlserve.rollout")
-# How long one long poll of the mailbox waits (a member polls again at once; see MEMBER_LEASE_S).
+# How long one long poll of the mailbox waits (a member polls again at once; see fleet.MEMBER_LEASE_S).
 POLL_S = 5.0
 TOKEN_BYTES = 256 * 1024
 
@@ -50,9 +52,10 @@ class Applied:
 
 
 class WeightFollower:
-    def __init__(self, store: ray.actor.ActorHandle, engine: RolloutEngine, specs: dict[str, TensorSpec],
-                 replica_id: str, transfer_timeout_s: float):
-        self.store, self.engine, self.specs, self.replica_id = store, engine, specs, replica_id
+    def __init__(self, store: ray.actor.ActorHandle, fleet: ray.actor.ActorHandle, engine: RolloutEngine,
+                 specs: dict[str, TensorSpec], replica_id: str, transfer_timeout_s: float):
+        self.store, self.fleet = store, fleet
+        self.engine, self.specs, self.replica_id = engine, specs, replica_id
         self.transfer_timeout_s = transfer_timeout_s
         self.publish_id = 0
         self.run_id = ""
@@ -79,38 +82,38 @@ class WeightFollower:
     async def stop(self) -> None:
         if self._listener is not None:
             self._listener.cancel()
-        await self.store.leave.remote(self.replica_id)
+        await self.fleet.leave.remote(self.replica_id)
 
     async def _join(self) -> None:
         # Big enough to live in the shared object store (small objects are copied inline, and
-        # would not be lost with this process): the store's sign that this replica is alive.
+        # would not be lost with this process): the fleet's sign that this replica is alive.
         self._token = ray.put(bytes(TOKEN_BYTES))
-        await self.store.join.remote(Member(self.replica_id, self.engine.transfer_backend,
+        await self.fleet.join.remote(Member(self.replica_id, self.engine.transfer_backend,
                                             self.engine.num_transfer_workers, (self._token,)))
 
     async def _listen(self) -> None:
         while True:
             try:
-                cmd = await self.store.next_command.remote(self.replica_id, POLL_S)
+                cmd = await self.fleet.next_command.remote(self.replica_id, POLL_S)
             except ray.exceptions.RayTaskError as err:
-                if isinstance(err.cause, KeyError):  # dropped (or a new store): join again, then catch up
+                if isinstance(err.cause, KeyError):  # dropped (or a new fleet): join again, then catch up
                     await self._join()
                     await self._catch_up()
                     continue
                 raise
-            except ray.exceptions.RayActorError:  # the store restarts; poll again shortly
+            except ray.exceptions.RayActorError:  # the fleet restarts; poll again shortly
                 await asyncio.sleep(1.0)
                 continue
             if cmd is None:
                 self._expire_direct()
                 continue
             error = await self._handle(cmd)
-            if cmd.kind != "published":
-                await self.store.reply.remote(self.replica_id, cmd.seq, error)
+            if cmd.kind != PUBLISHED:
+                await self.fleet.reply.remote(self.replica_id, cmd.seq, error)
 
     async def _handle(self, cmd: Command) -> str | None:
         try:
-            if cmd.kind == "published":
+            if cmd.kind == PUBLISHED:
                 await self._catch_up()
             else:
                 await self._transfer_step(cmd.kind, cmd.payload)
@@ -177,8 +180,8 @@ class WeightFollower:
     async def sync(self, min_version: int) -> None:
         """Before a request: catch up from the store if this replica is behind it (a newer publication
         than it holds, whatever the version numbers: a new run starts again at version 0) or serves an
-        older version than the request needs. The store's notice of each publication does the same,
-        but it may arrive after the request.
+        older version than the request needs. The fleet's announcement of each publication does the
+        same, but it may arrive after the request.
 
         The load is shielded: a caller that gives up must not stop it between pause and resume. A
         publication that cannot be loaded (its buckets died with the learner session that put them)
@@ -221,8 +224,9 @@ class WeightFollower:
         if problems:
             raise invalid_argument("safetensors_path", "; ".join(problems[:5]))
         num_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        await self.store.publish.remote(self.run_id, version, [], len(self.specs), num_bytes, in_flight,
-                                        str(path))
+        publish_id = await self.store.publish.remote(self.run_id, version, [], len(self.specs), num_bytes,
+                                                     in_flight, str(path))
+        await self.fleet.announce.remote(publish_id, version)
 
     async def _apply(self, pub: Publication, in_flight: bool) -> Applied:
         """Fetch, validate, then load one publication (the caller holds `_loading`)."""
