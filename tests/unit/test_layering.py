@@ -97,9 +97,10 @@ RAY_ALLOWED = {
     "rlserve.cluster.lifecycle": "starts, stops and inspects the Ray cluster",
     "rlserve.cluster.join": "joins a node to the cluster",
     "rlserve.cluster.loopback": "binds Ray's own listeners to loopback",
-    "rlserve.weights.store": "the weight store actor (newest publication, in the object store)",
-    "rlserve.weights.direct": "the learner's sender: buckets into the object store, fleet commands",
-    "rlserve.weights.follower": "a rollout replica's follower: fetches publications from the object store",
+    "rlserve.weights.store": "the publication store actor (the newest version's buckets in the object store)",
+    "rlserve.weights.fleet": "the fleet mailbox actor (membership, weight-transfer commands)",
+    "rlserve.learner.publisher": "the learner's sender: buckets into the object store, commands to the fleet",
+    "rlserve.rollout.follower": "a rollout replica's follower: fetches publications from the object store",
 }
 
 
