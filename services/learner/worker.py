@@ -16,14 +16,13 @@ import torch
 
 from rlserve.config import load_spec
 from rlserve.cpu_affinity import pin_from_env
+from rlserve.dtypes import torch_dtype
 from rlserve.learner import make_backend
 from rlserve.learner.interfaces import BackendInfo, StepResult
 from rlserve.training.batch import TrainBatch
 from rlserve.training.distributed import device_for, init_process_group
 from rlserve.weights.direct import Publisher
 from rlserve.weights.store import get_store
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @ray.remote
@@ -52,7 +51,7 @@ class LearnerWorker:
         """Walk the export on every rank (the gathers are collective); rank 0 sends and publishes."""
         # Unset outside a coordinator's run (which fills it from the deployed rollout): the training dtype.
         precision = self.spec.policy.generation.vllm_cfg.precision
-        dtype = _DTYPES[precision] if precision else None
+        dtype = torch_dtype(precision) if precision else None
         if self.rank != 0:
             t0 = time.perf_counter()
             for _ in self.backend.export_weights(dtype):

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlserve.config.spec import RunSpec
+from rlserve.dtypes import torch_dtype
 from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
@@ -23,8 +24,6 @@ from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
 from rlserve.weights.specs import checkpoint_specs
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PolicyLogprobs(nn.Module):
@@ -69,7 +68,7 @@ class DTensorBackend(LearnerBackend):
         self.dims = ParallelDims.from_world(dist.get_world_size(), cfg.tensor_parallel_size)
         self.mesh = self.dims.build_mesh(device.type)
         self.dp_size, self.dp_rank = self.dims.dp, self.mesh["dp"].get_local_rank()
-        self.param_dtype = _DTYPES[spec.policy.precision]
+        self.param_dtype = torch_dtype(spec.policy.precision)
         torch.manual_seed(spec.grpo.seed)
 
         config = AutoConfig.from_pretrained(self.model_path)
