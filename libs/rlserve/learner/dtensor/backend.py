@@ -136,15 +136,11 @@ class DTensorBackend(LearnerBackend):
         return weights.export_weights(self.model, self.model.lm, self.export_names,
                                       self.model.lm.config.tie_word_embeddings, dtype)
 
-    def save_checkpoint(self, path: Path) -> None:
-        checkpoint.save(path, self.model, self.optimizer, {"version": self._version,
-                                                            "scheduler": self.scheduler.state_dict()})
+    def _save_model_and_optimizer(self, path: Path) -> None:
+        checkpoint.save(path, self.model, self.optimizer)
 
-    def load_checkpoint(self, path: Path) -> int:
-        extra = checkpoint.load(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self._version = int(extra["version"])
-        return self._version
+    def _load_model_and_optimizer(self, path: Path) -> None:
+        checkpoint.load(path, self.model, self.optimizer)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
