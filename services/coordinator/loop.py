@@ -23,7 +23,8 @@ from collections import Counter
 import ray
 import torch
 
-from rlserve.algorithms.advantages import group_advantages, zero_variance_groups
+from rlserve.algorithms.dynamic_sampling import zero_variance_groups
+from rlserve.algorithms.registry import advantage_estimator
 from rlserve.data.tasks import Example
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
@@ -222,13 +223,13 @@ async def train_step(ctx: Context, step: int) -> dict[str, float]:
         ctx.emit(pb.EVENT_KIND_WARNING, f"step {step + 1} skipped: no trainable group (trajectories dropped: "
                  f"{reasons}); the policy stays at version {version}")
         return metrics
-    advantages = group_advantages(rewards[keep], spec.grpo.normalize_rewards, spec.grpo.use_leave_one_out_baseline)
+    advantages = advantage_estimator(spec.grpo.adv_estimator)(rewards[keep])
 
     # 3. Train on the batch, passed to the learner through the object store.
     batch = build_batch(trainable, advantages, spec.loss_fn.reference_policy_kl_penalty > 0)
     t1 = time.perf_counter()
     result = await ctx.calls.train_step(learner_pb2.TrainStepRequest(
-        run_id=ctx.run.run_id, loss=learner_pb2.LOSS_KIND_GRPO, expected_weight_version=version), ray.put(batch))
+        run_id=ctx.run.run_id, loss_name=spec.loss_fn.name, expected_weight_version=version), ray.put(batch))
     train_s = time.perf_counter() - t1
     metrics.update(result.metrics)
     metrics["timing/train_s"] = train_s

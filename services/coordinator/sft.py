@@ -33,7 +33,7 @@ async def sft_warm_start(ctx: Context) -> Path:
         seqs, prompt_lens = zip(*(ctx.tok.sft_ids(ex) for ex in examples))
         batch = TrainBatch.from_sequences(list(seqs), list(prompt_lens))
         result = await ctx.calls.train_step(learner_pb2.TrainStepRequest(
-            run_id=run.run_id, loss=learner_pb2.LOSS_KIND_SFT, learning_rate=cfg.lr, expected_weight_version=i),
+            run_id=run.run_id, loss_name="sft", learning_rate=cfg.lr, expected_weight_version=i),
             ray.put(batch))
         ctx.progress()
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:

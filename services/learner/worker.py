@@ -44,8 +44,8 @@ class LearnerWorker:
         self.spec = spec
         return self.backend.info()
 
-    def train_step(self, batch: TrainBatch, loss: str, lr: float | None) -> StepResult:
-        return self.backend.train_step(batch, loss, lr)
+    def train_step(self, batch: TrainBatch, loss_name: str, lr: float | None) -> StepResult:
+        return self.backend.train_step(batch, loss_name, lr)
 
     def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool, timeout_s: float) -> dict:
         """Walk the export on every rank (the gathers are collective); rank 0 sends and publishes."""

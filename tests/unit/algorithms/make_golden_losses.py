@@ -9,8 +9,8 @@ pieces behind a registry) with
 and `test_golden_losses.py` checks that every variant still gives that result:
 the loss, each metric sum and the gradient with respect to the current
 logprobs. `evaluate` is the one place that calls the losses; it follows their
-API, the stored numbers do not. Regenerate only when a loss is meant to change
-(and say so in the commit).
+API (then the two functions, now the registry), the stored numbers do not.
+Regenerate only when a loss is meant to change (and say so in the commit).
 
 The inputs are stored in the file too (float64, non-finite values as strings),
 so the check depends on no random generator. Masked tokens hold -inf, +inf and
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from rlserve.algorithms.losses import grpo_loss, sft_loss
+from rlserve.algorithms.interfaces import LossInputs
+from rlserve.algorithms.registry import make_loss
 from rlserve.config.spec import LossFnCfg
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")
@@ -123,19 +124,17 @@ def _natural_normalizer(batch: dict[str, list], token_level: bool) -> float:
 
 
 def evaluate(kind: str, call: dict[str, Any], batch: dict[str, list]) -> dict[str, Any]:
-    """Loss, metric sums and d loss / d curr of one case (kind "grpo" or "sft") on one batch."""
+    """Loss, metric sums and d loss / d curr of one case (a registered loss name) on one batch."""
     t = {k: torch.tensor(v, dtype=F64) for k, v in batch.items() if k != "seq_index"}
     seq_index = torch.tensor(batch["seq_index"])
-    num_seqs = int(seq_index.max()) + 1
     curr = t["curr"].clone().requires_grad_(True)
-    if kind == "sft":
-        loss, metrics = sft_loss(curr, t["mask"], call["normalizer"])
-    else:
-        cfg = LossFnCfg(**call["cfg"])
-        prev = curr.detach() if call.get("prev_is_curr") else t["prev"]
-        ref = t["ref"] if cfg.reference_policy_kl_penalty > 0 or call.get("with_reference") else None
-        loss, metrics = grpo_loss(curr, prev, t["gen"], ref, t["adv"], t["mask"], seq_index, num_seqs, cfg,
-                                  call["normalizer"])
+    loss_fn = make_loss(kind, LossFnCfg(**call.get("cfg", {})))
+    inputs = LossInputs(
+        curr_logprobs=curr, prev_logprobs=curr.detach() if call.get("prev_is_curr") else t["prev"],
+        gen_logprobs=t["gen"], ref_logprobs=t["ref"] if loss_fn.needs_reference_logprobs or call.get(
+            "with_reference") else None,
+        advantages=t["adv"], mask=t["mask"], seq_index=seq_index, num_seqs=int(seq_index.max()) + 1)
+    loss, metrics = loss_fn(inputs, call["normalizer"])
     loss.backward()
     return {"loss": loss.item(), "grad": curr.grad.tolist(), "metrics": {k: v.item() for k, v in metrics.items()}}
 
@@ -146,7 +145,7 @@ def cases(batch: dict[str, list]) -> dict[str, tuple[str, dict[str, Any]]]:
     out |= {name: ("grpo", dict(call)) for name, call in CALLS.items()}
     out |= {name: ("sft", dict(call)) for name, call in SFT_CALLS.items()}
     for kind, call in out.values():
-        token_level = kind == "sft" or LossFnCfg(**call["cfg"]).token_level_loss
+        token_level = make_loss(kind, LossFnCfg(**call.get("cfg", {}))).token_level
         call.setdefault("normalizer", _natural_normalizer(batch, token_level))
     return out
 
