@@ -157,7 +157,7 @@ def main() -> None:
 
             def export(direct: bool) -> tuple[float, learner_pb2.ExportWeightsResponse, int]:
                 step = learner.TrainStep(learner_pb2.TrainStepRequest(
-                    run_id=RUN, loss=learner_pb2.LOSS_KIND_SFT, sequences=batch, learning_rate=1e-4),
+                    run_id=RUN, loss_name="sft", sequences=batch, learning_rate=1e-4),
                     metadata=md["learner"])
                 rss = PeakRss(pid)
                 t0 = time.perf_counter()

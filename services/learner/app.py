@@ -23,8 +23,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlserve import cpu_affinity
+from rlserve.algorithms.registry import LOSSES, make_loss
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec, SpecError, load_spec
+from rlserve.learner.checkpoint import is_checkpoint
 from rlserve.learner.publisher import Published
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
@@ -36,7 +38,6 @@ from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.learner.worker import LearnerWorker
 
 log = logging.getLogger("rlserve.learner")
-_LOSSES = {learner_pb2.LOSS_KIND_GRPO: "grpo", learner_pb2.LOSS_KIND_SFT: "sft"}
 
 
 class LearnerArgs(BaseModel):
@@ -64,15 +65,15 @@ class Session:
     last_step: tuple[int, learner_pb2.TrainStepResponse] | None = None
 
 
-def batch_from_proto(request: learner_pb2.TrainStepRequest) -> TrainBatch:
+def batch_from_proto(request: learner_pb2.TrainStepRequest, generator_logprobs: bool) -> TrainBatch:
+    """The inline batch; `generator_logprobs`: the loss uses them (one per completion token)."""
     seqs = request.sequences
     if not seqs:
         raise invalid_argument("sequences", "empty batch")
-    grpo = request.loss == learner_pb2.LOSS_KIND_GRPO
     try:
         return TrainBatch.from_sequences(
             [list(s.token_ids) for s in seqs], [s.prompt_length for s in seqs], [s.advantage for s in seqs],
-            [list(s.generator_logprobs) for s in seqs] if grpo else None,
+            [list(s.generator_logprobs) for s in seqs] if generator_logprobs else None,
             [list(s.reference_logprobs) for s in seqs] if any(s.reference_logprobs for s in seqs) else None)
     except ValueError as err:
         raise invalid_argument("sequences", str(err)) from None
@@ -168,9 +169,9 @@ class Learner:
     async def TrainStep(self, request: learner_pb2.TrainStepRequest,
                         batch_refs: list | None = None) -> learner_pb2.TrainStepResponse:
         """Inside the cluster, `batch_refs` holds one ObjectRef of a TrainBatch; gRPC callers send it inline."""
-        loss = _LOSSES.get(request.loss)
-        if loss is None:
-            raise invalid_argument("loss", "must be LOSS_KIND_GRPO or LOSS_KIND_SFT")
+        if request.loss_name and request.loss_name not in LOSSES.names:
+            raise invalid_argument("loss_name", f"unknown loss {request.loss_name[:64]!r}; valid: "
+                                                f"{', '.join(LOSSES.names)} (empty: the run spec's loss_fn.name)")
         lr = request.learning_rate if request.HasField("learning_rate") else None
         if lr is not None and not lr > 0:
             raise invalid_argument("learning_rate", f"must be > 0, got {lr}")
@@ -182,8 +183,13 @@ class Learner:
                     return last[1]
                 raise aborted(f"step expects weight version {request.expected_weight_version}, "
                               f"the learner is at {session.version}")
-            ref = batch_refs[0] if batch_refs else ray.put(batch_from_proto(request))
-            results = await self._all([w.train_step.remote(ref, loss, lr) for w in session.workers])
+            loss_name = request.loss_name or session.spec.loss_fn.name
+            if batch_refs:
+                ref = batch_refs[0]
+            else:
+                loss = make_loss(loss_name, session.spec.loss_fn)
+                ref = ray.put(batch_from_proto(request, loss.needs_generator_logprobs))
+            results = await self._all([w.train_step.remote(ref, loss_name, lr) for w in session.workers])
             response = learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
             session.last_step = (session.version, response)
             session.version = results[0].version
@@ -225,7 +231,7 @@ class Learner:
     async def LoadCheckpoint(self, request: learner_pb2.LoadCheckpointRequest
                              ) -> learner_pb2.LoadCheckpointResponse:
         path = self.paths.run_path("path", request.path)
-        if not (path / "extra.pt").is_file():
+        if not is_checkpoint(path):
             raise invalid_argument("path", f"{request.path[:200]} is not a learner checkpoint")
         async with self.lock:
             session = self._require(request.run_id)

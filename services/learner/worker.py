@@ -15,6 +15,7 @@ import torch
 
 from rlserve.config import load_spec
 from rlserve.cpu_affinity import pin_from_env
+from rlserve.dtypes import torch_dtype
 from rlserve.learner import make_backend
 from rlserve.learner.interfaces import BackendInfo, StepResult
 from rlserve.learner.publisher import Published, Publisher
@@ -22,8 +23,6 @@ from rlserve.training.batch import TrainBatch
 from rlserve.training.distributed import device_for, init_process_group
 from rlserve.weights.fleet import get_fleet
 from rlserve.weights.store import get_store
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @ray.remote
@@ -45,8 +44,8 @@ class LearnerWorker:
         self.spec = spec
         return self.backend.info()
 
-    def train_step(self, batch: TrainBatch, loss: str, lr: float | None) -> StepResult:
-        return self.backend.train_step(batch, loss, lr)
+    def train_step(self, batch: TrainBatch, loss_name: str, lr: float | None) -> StepResult:
+        return self.backend.train_step(batch, loss_name, lr)
 
     def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool,
                timeout_s: float) -> Published | None:
@@ -54,7 +53,7 @@ class LearnerWorker:
         says what it did. The other ranks only join the gathers: None."""
         # Unset outside a coordinator's run (which fills it from the deployed rollout): the training dtype.
         precision = self.spec.policy.generation.vllm_cfg.precision
-        dtype = _DTYPES[precision] if precision else None
+        dtype = torch_dtype(precision) if precision else None
         if self.rank != 0:
             for _ in self.backend.export_weights(dtype):
                 pass

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from rlserve.algorithms.losses import all_reduce_metric_sums
+from rlserve.algorithms.metrics import all_reduce_metric_sums
 
 
 def _all_reduce_worker(rank: int, store_path: str, queue) -> None:

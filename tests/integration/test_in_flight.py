@@ -96,7 +96,7 @@ def learner(channel):
 
 
 def train_and_export(learner, version: int, in_flight: bool) -> Background:
-    learner.TrainStep(learner_pb2.TrainStepRequest(run_id=RUN, loss=learner_pb2.LOSS_KIND_SFT, sequences=SFT_BATCH,
+    learner.TrainStep(learner_pb2.TrainStepRequest(run_id=RUN, loss_name="sft", sequences=SFT_BATCH,
                                                    learning_rate=1e-2, expected_weight_version=version - 1))
     return Background(lambda: learner.ExportWeights(learner_pb2.ExportWeightsRequest(
         run_id=RUN, direct=True, in_flight=in_flight), timeout=600))

@@ -130,11 +130,12 @@ def test_learner_rejects_bad_specs_and_unknown_runs(channel):
         run_id="x", spec_yaml="grpo: {num_prompts_per_stpe: 3}")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "grpo.num_prompts_per_stpe" in err.details()
     err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(
-        run_id="nobody", loss=learner_pb2.LOSS_KIND_SFT,
+        run_id="nobody", loss_name="sft",
         sequences=[learner_pb2.TrainSequence(token_ids=[1, 2, 3], prompt_length=1)])))
     assert err.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
-    err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(run_id="x")))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("loss:")
+    err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(run_id="x", loss_name="ppo")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("loss_name:")
+    assert "grpo, sft" in err.details()
 
 
 def test_score_metadata_is_passed_to_plugins(channel):

@@ -109,7 +109,7 @@ def test_learner_export_reproduces_learner_logprobs(channel, test_cluster):
     assert info.backend == "dtensor" and info.num_parameters > 0
     batch = [learner_pb2.TrainSequence(token_ids=[8, 11, 41, 12, 9, 47, 6, 7, 5, 2], prompt_length=6)] * 8
     for version in range(3):
-        out = learner.TrainStep(learner_pb2.TrainStepRequest(run_id="weights-test", loss=learner_pb2.LOSS_KIND_SFT,
+        out = learner.TrainStep(learner_pb2.TrainStepRequest(run_id="weights-test", loss_name="sft",
                                                              sequences=batch, learning_rate=1e-2,
                                                              expected_weight_version=version))
         assert out.weight_version == version + 1 and out.metrics["loss/total"] > 0

@@ -18,7 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES
 from rlserve.data.tasks import TASKS
+from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
 
 # Upper bounds of the spec's sizes (a request cannot ask for more).
@@ -63,7 +65,7 @@ class AdamWKwargs(Section):
 
 
 class OptimizerCfg(Section):
-    name: Literal["torch.optim.AdamW"] = "torch.optim.AdamW"
+    # The optimizer is AdamW (torch's, or Megatron's Adam with decoupled weight decay).
     kwargs: AdamWKwargs = AdamWKwargs()
 
 
@@ -173,28 +175,32 @@ class PolicyCfg(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _megatron_implies_no_dtensor(cls, data: Any) -> Any:
-        """`megatron_cfg.enabled: true` alone switches backends (dtensor is the default)."""
+    def _another_backend_replaces_the_default(cls, data: Any) -> Any:
+        """`megatron_cfg.enabled: true` alone switches backends: the default backend's section,
+        unless it says `enabled` itself, is turned off."""
         if isinstance(data, dict):
-            mcfg, dcfg = data.get("megatron_cfg"), data.get("dtensor_cfg")
-            if isinstance(mcfg, dict) and mcfg.get("enabled") is True and (
-                    dcfg is None or isinstance(dcfg, dict) and "enabled" not in dcfg):
-                data = {**data, "dtensor_cfg": {**(dcfg or {}), "enabled": False}}
+            default = data.get(f"{DEFAULT_BACKEND}_cfg")
+            others = [data.get(f"{name}_cfg") for name in BACKENDS.names if name != DEFAULT_BACKEND]
+            if any(isinstance(c, dict) and c.get("enabled") is True for c in others) and (
+                    default is None or isinstance(default, dict) and "enabled" not in default):
+                data = {**data, f"{DEFAULT_BACKEND}_cfg": {**(default or {}), "enabled": False}}
         return data
 
     @model_validator(mode="after")
     def _one_backend(self) -> PolicyCfg:
-        if self.megatron_cfg.enabled == self.dtensor_cfg.enabled:
-            if self.megatron_cfg.enabled:
-                raise ValueError("policy.megatron_cfg.enabled: policy.dtensor_cfg.enabled is true as well; "
-                                 "enable exactly one learner backend")
-            raise ValueError("policy.dtensor_cfg.enabled: no learner backend is enabled; set "
-                             "policy.dtensor_cfg.enabled or policy.megatron_cfg.enabled")
+        enabled = [name for name in BACKENDS.names if getattr(self, f"{name}_cfg").enabled]
+        if len(enabled) > 1:
+            raise ValueError(f"policy.{enabled[1]}_cfg.enabled: policy.{enabled[0]}_cfg.enabled is true as well; "
+                             f"enable exactly one learner backend")
+        if not enabled:
+            raise ValueError(f"policy.{DEFAULT_BACKEND}_cfg.enabled: no learner backend is enabled; set "
+                             f"{' or '.join(f'policy.{name}_cfg.enabled' for name in BACKENDS.names)}")
         return self
 
     @property
     def backend(self) -> str:
-        return "megatron" if self.megatron_cfg.enabled else "dtensor"
+        """The learner backend's name: the one whose `<name>_cfg` section is enabled."""
+        return next(name for name in BACKENDS.names if getattr(self, f"{name}_cfg").enabled)
 
 
 class AsyncGrpoCfg(Section):
@@ -216,12 +222,25 @@ class AsyncGrpoCfg(Section):
     prompts_per_request: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
 
 
+class AdvEstimatorCfg(Section):
+    """How rewards become advantages (`rlserve.algorithms.advantages`); NeMo-RL's AdvEstimatorConfig."""
+
+    name: Literal[ADVANTAGE_ESTIMATORS.names] = "grpo"
+    # Divide by the group's reward std.
+    normalize_rewards: bool = True
+    # RLOO's baseline: the mean of the group's other samples.
+    use_leave_one_out_baseline: bool = False
+
+
+# grpo.* keys of earlier specs, now under grpo.adv_estimator.
+LEGACY_ADV_ESTIMATOR_KEYS = ("normalize_rewards", "use_leave_one_out_baseline")
+
+
 class GrpoCfg(Section):
     num_prompts_per_step: int = Field(32, ge=1, le=MAX_PROMPTS_PER_STEP)
     num_generations_per_prompt: int = Field(8, ge=1, le=MAX_GENERATIONS_PER_PROMPT)
     max_num_steps: int = Field(100, ge=1, le=MAX_STEPS)
-    normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = False
+    adv_estimator: AdvEstimatorCfg = AdvEstimatorCfg()
     # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
     skip_zero_advantage_groups: bool = True
     val_period: int = Field(10, ge=0, le=MAX_STEPS)
@@ -231,6 +250,23 @@ class GrpoCfg(Section):
     val_greedy: bool = True
     seed: Seed = 42
     async_grpo: AsyncGrpoCfg = AsyncGrpoCfg()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_adv_estimator_keys(cls, data: Any) -> Any:
+        """`grpo.normalize_rewards` / `grpo.use_leave_one_out_baseline` move into `grpo.adv_estimator`."""
+        if not isinstance(data, dict) or not any(k in data for k in LEGACY_ADV_ESTIMATOR_KEYS):
+            return data
+        estimator = data.get("adv_estimator", {})
+        if not isinstance(estimator, dict):
+            return data  # not a mapping: validation reports it (and the legacy keys as unknown)
+        for key in LEGACY_ADV_ESTIMATOR_KEYS:
+            if key in data and key in estimator:
+                raise ValueError(f"grpo.{key}: given twice, here and as grpo.adv_estimator.{key}; keep "
+                                 f"grpo.adv_estimator.{key}")
+        moved = {k: data[k] for k in LEGACY_ADV_ESTIMATOR_KEYS if k in data}
+        rest = {k: v for k, v in data.items() if k not in LEGACY_ADV_ESTIMATOR_KEYS}
+        return {**rest, "adv_estimator": {**estimator, **moved}}
 
     @property
     def max_age(self) -> int:
@@ -251,6 +287,8 @@ class SftCfg(Section):
 
 
 class LossFnCfg(Section):
+    # The loss of the GRPO steps (`rlserve.algorithms.registry`); the SFT warm start always uses "sft".
+    name: Literal[LOSSES.names] = "grpo"
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     kl_input_clamp_value: float | None = Field(20.0, gt=0)

@@ -35,7 +35,7 @@ async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, syn
         examples = sampler.take(cfg.batch_size)
         seqs, prompt_lens = zip(*(inputs.tok.sft_ids(ex) for ex in examples))
         result = await services.train_step(learner_pb2.TrainStepRequest(
-            run_id=run.run_id, loss=learner_pb2.LOSS_KIND_SFT, learning_rate=cfg.lr, expected_weight_version=i),
+            run_id=run.run_id, loss_name="sft", learning_rate=cfg.lr, expected_weight_version=i),
             TrainBatch.from_sequences(list(seqs), list(prompt_lens)))
         progress()
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:

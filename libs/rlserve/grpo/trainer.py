@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from rlserve.algorithms.advantages import group_advantages, zero_variance_groups
+from rlserve.algorithms.dynamic_sampling import zero_variance_groups
+from rlserve.algorithms.registry import advantage_estimator
 from rlserve.grpo.checkpoints import Checkpoints
 from rlserve.grpo.groups import Group, ProducedStep, StepQueue, summarize_errors
 from rlserve.grpo.services import RunServices
@@ -133,14 +134,13 @@ class Trainer:
             self.run.emit(pb.EVENT_KIND_WARNING, f"step {step + 1} skipped: no trainable group (trajectories "
                           f"dropped: {reasons}); the policy stays at version {version}")
             return metrics
-        advantages = group_advantages(rewards[keep], spec.grpo.normalize_rewards,
-                                      spec.grpo.use_leave_one_out_baseline)
+        advantages = advantage_estimator(spec.grpo.adv_estimator)(rewards[keep])
 
         # 3. Train on the batch.
         batch = build_batch(trainable, advantages, spec.loss_fn.reference_policy_kl_penalty > 0)
         t1 = time.perf_counter()
         result = await self.services.train_step(learner_pb2.TrainStepRequest(
-            run_id=self.inputs.run_id, loss=learner_pb2.LOSS_KIND_GRPO, expected_weight_version=version), batch)
+            run_id=self.inputs.run_id, loss_name=spec.loss_fn.name, expected_weight_version=version), batch)
         train_s = time.perf_counter() - t1
         metrics.update(result.metrics)
         metrics["timing/train_s"] = train_s

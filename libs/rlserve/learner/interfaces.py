@@ -13,17 +13,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlserve.config.spec import RunSpec
+from rlserve.learner import checkpoint
 from rlserve.models.hf_io import write_hf_folder
 from rlserve.training.batch import TrainBatch
 from rlserve.training.objective import StepObjective
-
-LossName = Literal["grpo", "sft"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,9 @@ class StepResult:
 
 
 class LearnerBackend(ABC):
-    """What a step means is fixed here (`train_step`); a backend supplies the machinery that runs
-    the objective's optimizer updates and reduces its metrics over its ranks."""
+    """What a step and a checkpoint mean is fixed here (`train_step`, `save_checkpoint`); a backend
+    supplies the machinery that runs the objective's optimizer updates, reduces its metrics over
+    its ranks, and saves and restores its model and optimizer."""
 
     name: str
     # Set by every backend's constructor:
@@ -64,14 +64,15 @@ class LearnerBackend(ABC):
         """Number of GRPO/SFT steps applied since the initial weights (version 0)."""
         return self._version
 
-    def train_step(self, batch: TrainBatch, loss: LossName, lr: float | None = None) -> StepResult:
-        """One step on the whole batch (every rank passes the same batch; each takes its share).
+    def train_step(self, batch: TrainBatch, loss_name: str, lr: float | None = None) -> StepResult:
+        """One step of the registered loss `loss_name` on the whole batch (every rank passes the
+        same batch; each takes its share).
 
         `lr` overrides the schedule for this step (the SFT warm start); otherwise the schedule
         advances once per step.
         """
         t0 = time.perf_counter()
-        objective = StepObjective(self.spec, batch, loss, self.dp_size, self.dp_rank, self.pad_id)
+        objective = StepObjective(self.spec, batch, loss_name, self.dp_size, self.dp_rank, self.pad_id)
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -101,13 +102,41 @@ class LearnerBackend(ABC):
         """HF checkpoint-named full tensors, one at a time. Every rank must exhaust the iterator
         (gathers are collective); only rank 0 gets the tensors, other ranks get empty placeholders."""
 
-    @abstractmethod
     def save_checkpoint(self, path: Path) -> None:
-        """Model, optimizer, scheduler, RNG and version (torch distributed checkpoint)."""
+        """Model, optimizer, RNG, lr schedule and version, in the layout of `rlserve.learner.checkpoint`."""
+        path.mkdir(parents=True, exist_ok=True)
+        self._save_model_and_optimizer(path)
+        torch.save(self._rng_state(), checkpoint.rng_file(path))
+        if dist.get_rank() == 0:
+            torch.save({"version": self._version, "scheduler": self.scheduler.state_dict()},
+                       path / checkpoint.EXTRA_FILE)
+        dist.barrier()
 
-    @abstractmethod
     def load_checkpoint(self, path: Path) -> int:
         """Restore what save_checkpoint wrote; returns the version."""
+        self._load_model_and_optimizer(path)
+        rng = checkpoint.rng_file(path)
+        if rng.is_file():
+            self._set_rng_state(torch.load(rng, weights_only=True))
+        extra = torch.load(path / checkpoint.EXTRA_FILE, weights_only=True)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self._version = int(extra["version"])
+        return self._version
+
+    @abstractmethod
+    def _save_model_and_optimizer(self, path: Path) -> None:
+        """Write the model and optimizer state into checkpoint folder `path` (collective)."""
+
+    @abstractmethod
+    def _load_model_and_optimizer(self, path: Path) -> None:
+        """Restore the model and optimizer state from checkpoint folder `path` in place (collective)."""
+
+    def _rng_state(self) -> dict:
+        """This rank's random state; a backend with generators of its own adds them."""
+        return checkpoint.rng_state()
+
+    def _set_rng_state(self, state: dict) -> None:
+        checkpoint.set_rng_state(state)
 
     def save_hf(self, path: Path) -> None:
         """Write the policy as an HF folder (config, tokenizer, fp32 safetensors) from rank 0."""

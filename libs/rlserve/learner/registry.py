@@ -1,40 +1,42 @@
-"""The one place learner backends are chosen by name (`policy.dtensor_cfg` / `policy.megatron_cfg`)."""
+"""The one place learner backends are chosen by name: `policy.<name>_cfg.enabled` picks one.
+
+Each entry says where the backend's class and its model check live; both are
+imported on use, so the run spec, which takes its backend names and
+`<name>_cfg` sections from here, validates without importing torch.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from rlserve.registry import Registry, import_object
 
-from rlserve.config.spec import RunSpec
-from rlserve.learner.interfaces import LearnerBackend
+if TYPE_CHECKING:
+    import torch
 
-
-def _dtensor(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
-    from rlserve.learner.dtensor.backend import DTensorBackend
-
-    return DTensorBackend(spec, model_path, device)
+    from rlserve.config.spec import RunSpec
+    from rlserve.learner.interfaces import LearnerBackend
 
 
-def _megatron(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
-    from rlserve.learner.megatron.backend import MegatronBackend
+@dataclass(frozen=True)
+class BackendEntry:
+    # "module:Class" of the LearnerBackend, built as Class(spec, model_path, device).
+    backend: str
+    # "module:function" (spec, hf_config) -> None that raises UnsupportedModel for a model the
+    # backend cannot train as the spec configures it; the backend obeys the same reasons.
+    check_model: str
 
-    return MegatronBackend(spec, model_path, device)
 
-
-BACKENDS = {"dtensor": _dtensor, "megatron": _megatron}
-
-
-def make_backend(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
-    from transformers import AutoConfig
-
-    name = spec.policy.backend
-    try:
-        factory = BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown learner backend {name!r}; valid backends: {', '.join(BACKENDS)}") from None
-    check_model(spec, AutoConfig.from_pretrained(model_path))
-    return factory(spec, model_path, device)
+BACKENDS = Registry("learner backend", {
+    "dtensor": BackendEntry("rlserve.learner.dtensor.backend:DTensorBackend",
+                            "rlserve.learner.dtensor.support:check_model"),
+    "megatron": BackendEntry("rlserve.learner.megatron.backend:MegatronBackend",
+                             "rlserve.learner.megatron.support:check_model"),
+})
+# The backend of a spec that enables no other.
+DEFAULT_BACKEND = "dtensor"
 
 
 class UnsupportedModel(ValueError):
@@ -45,21 +47,14 @@ class UnsupportedModel(ValueError):
         super().__init__(f"{field}: {reason}")
 
 
-def check_model(spec: RunSpec, hf_config) -> None:
-    """Refuse, before anything starts, a model the spec's learner backend cannot train (UnsupportedModel).
+def check_model(spec: RunSpec, hf_config: Any) -> None:
+    """Refuse, before anything starts, a model the spec's learner backend cannot train (UnsupportedModel)."""
+    import_object(BACKENDS[spec.policy.backend].check_model)(spec, hf_config)
 
-    The reasons come from each backend's `support` module, which the backend itself also obeys.
-    """
-    if spec.policy.backend == "megatron":
-        from rlserve.learner.megatron.support import ALTERNATIVE, unsupported_reasons
 
-        reasons = unsupported_reasons(hf_config, spec.policy.max_total_sequence_length)
-        if reasons:
-            raise UnsupportedModel("policy.megatron_cfg", f"the megatron backend cannot train this "
-                                   f"{hf_config.model_type} model: {'; '.join(reasons)}; {ALTERNATIVE}")
-        return
-    from rlserve.learner.dtensor.support import unsupported_reasons as dtensor_reasons
+def make_backend(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
+    from transformers import AutoConfig
 
-    reasons = dtensor_reasons(hf_config, spec.policy.dtensor_cfg)
-    if reasons:
-        raise UnsupportedModel("policy.dtensor_cfg.tensor_parallel_size", "; ".join(reasons))
+    entry = BACKENDS[spec.policy.backend]
+    check_model(spec, AutoConfig.from_pretrained(model_path))
+    return import_object(entry.backend)(spec, model_path, device)

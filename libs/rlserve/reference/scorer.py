@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
+from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.forward import completion_positions, gather_logprobs
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class Sequence:
 class ReferenceScorer:
     def __init__(self, model_path: Path, dtype: str = "float32", token_budget: int = 8192):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_causal_lm(model_path, _DTYPES[dtype]).to(self.device).eval()
+        self.model = load_causal_lm(model_path, torch_dtype(dtype)).to(self.device).eval()
         self.output_logits = OutputLogits.from_config(self.model.config)
         self.model_path = str(model_path)
         self.vocab_size = self.model.config.vocab_size

@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
 from rlserve.rollout.interfaces import BatchEngine, EngineConfig, EngineInfo, GeneratedSample, SamplingSpec
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TransformersEngine(BatchEngine):
@@ -32,7 +31,7 @@ class TransformersEngine(BatchEngine):
             raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_causal_lm(cfg.model_path, _DTYPES[cfg.dtype]).to(self.device)
+        self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         # Every EOS id of the model (Llama-3.x-Instruct lists several in its generation config), as

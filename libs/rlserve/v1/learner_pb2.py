@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlserve/v1/learner.proto\x12\nrlserve.v1\"N\n\x10\x43onfigureRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_yaml\x18\x02 \x01(\t\x12\x17\n\x0finit_model_path\x18\x03 \x01(\t\"\x91\x01\n\x11\x43onfigureResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x17\n\x0fparallel_layout\x18\x03 \x01(\t\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\x84\x01\n\rTrainSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x11\n\tadvantage\x18\x03 \x01(\x02\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x1a\n\x12reference_logprobs\x18\x05 \x03(\x02\"\xe4\x01\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x04loss\x18\x02 \x01(\x0e\x32\x14.rlserve.v1.LossKind\x12,\n\tsequences\x18\x03 \x03(\x0b\x32\x19.rlserve.v1.TrainSequence\x12\x1a\n\rlearning_rate\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12$\n\x17\x65xpected_weight_version\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x1a\n\x18_expected_weight_version\"\x98\x01\n\x11TrainStepResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.rlserve.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x14\x45xportWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nstore_name\x18\x02 \x01(\t\x12\x0e\n\x06\x64irect\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"\xb6\x01\n\x15\x45xportWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x02 \x01(\x05\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x14\n\x0c\x64irect_bytes\x18\x06 \x01(\x03\x12\x11\n\treceivers\x18\x07 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x08 \x03(\t\"F\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07hf_path\x18\x03 \x01(\t\">\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"5\n\x15LoadCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"0\n\x16LoadCheckpointResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04*L\n\x08LossKind\x12\x19\n\x15LOSS_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eLOSS_KIND_GRPO\x10\x01\x12\x11\n\rLOSS_KIND_SFT\x10\x02\x32\xa5\x03\n\x07Learner\x12H\n\tConfigure\x12\x1c.rlserve.v1.ConfigureRequest\x1a\x1d.rlserve.v1.ConfigureResponse\x12H\n\tTrainStep\x12\x1c.rlserve.v1.TrainStepRequest\x1a\x1d.rlserve.v1.TrainStepResponse\x12T\n\rExportWeights\x12 .rlserve.v1.ExportWeightsRequest\x1a!.rlserve.v1.ExportWeightsResponse\x12W\n\x0eSaveCheckpoint\x12!.rlserve.v1.SaveCheckpointRequest\x1a\".rlserve.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlserve.v1.LoadCheckpointRequest\x1a\".rlserve.v1.LoadCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlserve/v1/learner.proto\x12\nrlserve.v1\"N\n\x10\x43onfigureRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_yaml\x18\x02 \x01(\t\x12\x17\n\x0finit_model_path\x18\x03 \x01(\t\"\x91\x01\n\x11\x43onfigureResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x17\n\x0fparallel_layout\x18\x03 \x01(\t\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\x84\x01\n\rTrainSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x11\n\tadvantage\x18\x03 \x01(\x02\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x1a\n\x12reference_logprobs\x18\x05 \x03(\x02\"\xdf\x01\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tloss_name\x18\x06 \x01(\t\x12,\n\tsequences\x18\x03 \x03(\x0b\x32\x19.rlserve.v1.TrainSequence\x12\x1a\n\rlearning_rate\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12$\n\x17\x65xpected_weight_version\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x1a\n\x18_expected_weight_versionJ\x04\x08\x02\x10\x03R\x04loss\"\x98\x01\n\x11TrainStepResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.rlserve.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x14\x45xportWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nstore_name\x18\x02 \x01(\t\x12\x0e\n\x06\x64irect\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"\xb6\x01\n\x15\x45xportWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x02 \x01(\x05\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x14\n\x0c\x64irect_bytes\x18\x06 \x01(\x03\x12\x11\n\treceivers\x18\x07 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x08 \x03(\t\"F\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07hf_path\x18\x03 \x01(\t\">\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"5\n\x15LoadCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"0\n\x16LoadCheckpointResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x32\xa5\x03\n\x07Learner\x12H\n\tConfigure\x12\x1c.rlserve.v1.ConfigureRequest\x1a\x1d.rlserve.v1.ConfigureResponse\x12H\n\tTrainStep\x12\x1c.rlserve.v1.TrainStepRequest\x1a\x1d.rlserve.v1.TrainStepResponse\x12T\n\rExportWeights\x12 .rlserve.v1.ExportWeightsRequest\x1a!.rlserve.v1.ExportWeightsResponse\x12W\n\x0eSaveCheckpoint\x12!.rlserve.v1.SaveCheckpointRequest\x1a\".rlserve.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlserve.v1.LoadCheckpointRequest\x1a\".rlserve.v1.LoadCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_LOSSKIND']._serialized_start=1310
-  _globals['_LOSSKIND']._serialized_end=1386
   _globals['_CONFIGUREREQUEST']._serialized_start=40
   _globals['_CONFIGUREREQUEST']._serialized_end=118
   _globals['_CONFIGURERESPONSE']._serialized_start=121
@@ -42,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSEQUENCE']._serialized_start=269
   _globals['_TRAINSEQUENCE']._serialized_end=401
   _globals['_TRAINSTEPREQUEST']._serialized_start=404
-  _globals['_TRAINSTEPREQUEST']._serialized_end=632
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=635
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=787
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=741
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=787
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=789
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=882
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=885
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=1067
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1069
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1139
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1141
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1203
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1205
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1258
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1260
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1308
-  _globals['_LEARNER']._serialized_start=1389
-  _globals['_LEARNER']._serialized_end=1810
+  _globals['_TRAINSTEPREQUEST']._serialized_end=627
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=630
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=782
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=736
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=782
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=784
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=877
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=880
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=1062
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1064
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1134
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1136
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1198
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1200
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1253
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1255
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1303
+  _globals['_LEARNER']._serialized_start=1306
+  _globals['_LEARNER']._serialized_end=1727
 # @@protoc_insertion_point(module_scope)

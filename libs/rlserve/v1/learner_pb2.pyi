@@ -1,20 +1,10 @@
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    LOSS_KIND_UNSPECIFIED: _ClassVar[LossKind]
-    LOSS_KIND_GRPO: _ClassVar[LossKind]
-    LOSS_KIND_SFT: _ClassVar[LossKind]
-LOSS_KIND_UNSPECIFIED: LossKind
-LOSS_KIND_GRPO: LossKind
-LOSS_KIND_SFT: LossKind
 
 class ConfigureRequest(_message.Message):
     __slots__ = ("run_id", "spec_yaml", "init_model_path")
@@ -57,18 +47,18 @@ class TrainSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., advantage: _Optional[float] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("run_id", "loss", "sequences", "learning_rate", "expected_weight_version")
+    __slots__ = ("run_id", "loss_name", "sequences", "learning_rate", "expected_weight_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_NAME_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    loss: LossKind
+    loss_name: str
     sequences: _containers.RepeatedCompositeFieldContainer[TrainSequence]
     learning_rate: float
     expected_weight_version: int
-    def __init__(self, run_id: _Optional[str] = ..., loss: _Optional[_Union[LossKind, str]] = ..., sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., expected_weight_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., loss_name: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TrainSequence, _Mapping]]] = ..., learning_rate: _Optional[float] = ..., expected_weight_version: _Optional[int] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("weight_version", "metrics")

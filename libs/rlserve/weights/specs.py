@@ -15,11 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-_SAFETENSORS_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+from rlserve.dtypes import safetensors_dtype
 
 
 @dataclass(frozen=True)
@@ -38,7 +34,7 @@ def checkpoint_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 sl = f.get_slice(name)
-                specs[name] = TensorSpec(tuple(sl.get_shape()), _SAFETENSORS_DTYPES[sl.get_dtype()])
+                specs[name] = TensorSpec(tuple(sl.get_shape()), safetensors_dtype(sl.get_dtype()))
     return specs
 
 

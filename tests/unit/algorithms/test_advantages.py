@@ -1,4 +1,5 @@
-"""Group advantages against hand-computed numbers and a float64 loop."""
+"""The "grpo" advantage estimator, built by name as the coordinator builds it, against
+hand-computed numbers and a float64 loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import math
 import pytest
 import torch
 
-from rlserve.algorithms.advantages import group_advantages, zero_variance_groups
+from rlserve.algorithms.registry import advantage_estimator
+from rlserve.config.spec import AdvEstimatorCfg
+
+
+def estimate(rewards: torch.Tensor, normalize: bool, leave_one_out: bool) -> torch.Tensor:
+    cfg = AdvEstimatorCfg(name="grpo", normalize_rewards=normalize, use_leave_one_out_baseline=leave_one_out)
+    return advantage_estimator(cfg)(rewards)
 
 
 def loop_advantages(rewards: list[list[float]], normalize: bool, leave_one_out: bool, eps: float) -> list[list[float]]:
@@ -32,7 +39,7 @@ def loop_advantages(rewards: list[list[float]], normalize: bool, leave_one_out: 
 def test_mean_baseline_without_normalisation():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     expected = torch.tensor([[0.5, -0.5, -0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(group_advantages(rewards, normalize=False, leave_one_out=False), expected)
+    torch.testing.assert_close(estimate(rewards, normalize=False, leave_one_out=False), expected)
 
 
 def test_normalisation_uses_the_unbiased_std():
@@ -40,16 +47,16 @@ def test_normalisation_uses_the_unbiased_std():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
     a = 0.5 / (math.sqrt(1.0 / 3.0) + 1e-6)
     expected = torch.tensor([[a, -a, -a, a]], dtype=torch.float64)
-    torch.testing.assert_close(group_advantages(rewards, normalize=True, leave_one_out=False), expected)
+    torch.testing.assert_close(estimate(rewards, normalize=True, leave_one_out=False), expected)
 
 
 def test_leave_one_out_baseline():
     # Sample 0: 1 - mean(0, 0, 0) = 1; the others: 0 - mean(1, 0, 0) = -1/3.
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     expected = torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]], dtype=torch.float64)
-    torch.testing.assert_close(group_advantages(rewards, normalize=False, leave_one_out=True), expected)
+    torch.testing.assert_close(estimate(rewards, normalize=False, leave_one_out=True), expected)
     # Group std: mean 0.25, unbiased var (0.5625 + 3 * 0.0625) / 3 = 0.25, std 0.5.
-    torch.testing.assert_close(group_advantages(rewards, normalize=True, leave_one_out=True),
+    torch.testing.assert_close(estimate(rewards, normalize=True, leave_one_out=True),
                                expected / (0.5 + 1e-6))
 
 
@@ -57,15 +64,15 @@ def test_group_of_two_leave_one_out():
     rewards = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     std = math.sqrt(0.5)
     expected = torch.tensor([[1.0, -1.0]], dtype=torch.float64) / (std + 1e-6)
-    torch.testing.assert_close(group_advantages(rewards, normalize=True, leave_one_out=True), expected)
+    torch.testing.assert_close(estimate(rewards, normalize=True, leave_one_out=True), expected)
 
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("leave_one_out", [False, True])
 def test_group_of_one_and_equal_rewards_give_zero_not_nan(normalize, leave_one_out):
-    single = group_advantages(torch.tensor([[0.7], [1.0]]), normalize, leave_one_out)
+    single = estimate(torch.tensor([[0.7], [1.0]]), normalize, leave_one_out)
     torch.testing.assert_close(single, torch.zeros(2, 1))
-    equal = group_advantages(torch.tensor([[3.0, 3.0, 3.0], [0.0, 0.0, 0.0]]), normalize, leave_one_out)
+    equal = estimate(torch.tensor([[3.0, 3.0, 3.0], [0.0, 0.0, 0.0]]), normalize, leave_one_out)
     torch.testing.assert_close(equal, torch.zeros(2, 3))
 
 
@@ -75,11 +82,11 @@ def test_matches_loop_reference(normalize, leave_one_out):
     rewards = torch.rand(5, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     rewards[1] = 0.25
     expected = loop_advantages(rewards.tolist(), normalize, leave_one_out, eps=1e-6)
-    got = group_advantages(rewards, normalize, leave_one_out)
+    got = estimate(rewards, normalize, leave_one_out)
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
 
 
-def test_zero_variance_groups():
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0], [0.5, 0.5, 0.5], [0.0, 0.0, 1e-3]])
-    assert zero_variance_groups(rewards).tolist() == [True, False, True, False]
-    assert zero_variance_groups(torch.tensor([[0.3], [2.0]])).tolist() == [True, True]
+
+def test_defaults_normalise_with_the_group_mean_baseline():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(advantage_estimator(AdvEstimatorCfg())(rewards), estimate(rewards, True, False))

@@ -1,4 +1,7 @@
-"""GRPO / SFT losses: hand-computed cases, a float64 loop reference, split invariance."""
+"""GRPO / SFT losses: hand-computed cases, a float64 loop reference, split invariance.
+
+The losses are called as the learner calls them: built by name from the registry.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +12,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlserve.algorithms.losses import (
-    all_reduce_metric_sums,
-    finalize_metrics,
-    grpo_loss,
-    reduce_metric_sums,
-    sft_loss,
-)
+from rlserve.algorithms.interfaces import LossInputs
+from rlserve.algorithms.metrics import finalize_metrics, reduce_metric_sums
+from rlserve.algorithms.registry import make_loss
 from rlserve.config.spec import LossFnCfg
 
 F64 = torch.float64
 LN = math.log
+
+
+def grpo_loss(curr, prev, gen, ref, adv, mask, seq_index, num_seqs, cfg: LossFnCfg, normalizer):
+    return make_loss("grpo", cfg)(LossInputs(curr, prev, gen, ref, adv, mask, seq_index, num_seqs), normalizer)
 
 
 def run(curr, adv, cfg, prev=None, gen=None, ref=None, mask=None, seq_index=None, normalizer=None):
@@ -409,8 +412,16 @@ def test_sft_loss():
     curr = torch.tensor([LN(0.5), LN(0.25), float("-inf"), LN(0.125)], dtype=F64, requires_grad=True)
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=F64)
     # Two micro-batches of one step with 3 valid tokens.
-    loss_a, metrics_a = sft_loss(curr[:2], mask[:2], 3.0)
-    loss_b, metrics_b = sft_loss(curr[2:], mask[2:], 3.0)
+    sft = make_loss("sft", LossFnCfg())
+
+    def sft_loss(rows: slice, normalizer: float):
+        n = len(mask[rows])
+        seq_index = torch.zeros(n, dtype=torch.long)
+        return sft(LossInputs(curr[rows], None, None, None, torch.zeros(n, dtype=F64), mask[rows], seq_index, 1),
+                   normalizer)
+
+    loss_a, metrics_a = sft_loss(slice(0, 2), 3.0)
+    loss_b, metrics_b = sft_loss(slice(2, 4), 3.0)
     (loss_a + loss_b).backward()
     nll = LN(2.0) + LN(4.0) + LN(8.0)
     close((loss_a + loss_b).item(), nll / 3)
@@ -423,29 +434,6 @@ def test_sft_loss():
 
 
 # ---------------------------------------------------------------- metrics
-
-
-def test_reduce_and_finalize_metrics():
-    t = torch.tensor
-    parts = [
-        {"loss_sum": t(0.5), "token_count": t(2.0), "clip_count": t(1.0), "ratio_sum": t(2.2), "ratio_max": t(1.3),
-         "ratio_min": t(0.9), "entropy_sum": t(3.0)},
-        {"loss_sum": t(-0.25), "token_count": t(3.0), "clip_count": t(0.0), "ratio_sum": t(3.0), "ratio_max": t(1.1),
-         "ratio_min": t(0.7), "entropy_sum": t(2.0)},
-    ]
-    sums = reduce_metric_sums(parts)
-    assert {k: round(v.item(), 6) for k, v in sums.items()} == {
-        "loss_sum": 0.25, "token_count": 5.0, "clip_count": 1.0, "ratio_sum": 5.2, "ratio_max": 1.3,
-        "ratio_min": 0.7, "entropy_sum": 5.0}
-    metrics = finalize_metrics(sums)
-    assert metrics == pytest.approx({
-        "loss/total": 0.25, "batch/valid_tokens": 5.0, "policy/clip_fraction": 0.2, "policy/ratio_mean": 1.04,
-        "policy/ratio_max": 1.3, "policy/ratio_min": 0.7, "policy/entropy": 1.0})
-    # No valid tokens: token means and extremes are left out, not 0 / 0.
-    empty = finalize_metrics({"loss_sum": t(0.0), "token_count": t(0.0), "ratio_max": t(float("-inf"))})
-    assert empty == {"loss/total": 0.0, "batch/valid_tokens": 0.0}
-    with pytest.raises(ValueError, match="must end in"):
-        reduce_metric_sums([{"loss": t(1.0)}])
 
 
 def test_grpo_metric_values():
@@ -464,8 +452,3 @@ def test_grpo_metric_values():
     # -(1.2 * 2 + 1 * 3 * 0.5) / 2
     assert metrics["loss/total"] == pytest.approx(-(2.4 + 1.5) / 2, rel=1e-6)
     assert metrics["loss/policy_gradient"] == metrics["loss/total"]
-
-
-def test_all_reduce_is_a_no_op_without_a_process_group():
-    sums = {"loss_sum": torch.tensor(1.0)}
-    assert all_reduce_metric_sums(sums) is sums

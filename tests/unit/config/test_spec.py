@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES
 from rlserve.config import RunSpec, SpecError, load_spec, parse_spec, spec_to_yaml
-from rlserve.config.spec import Section
+from rlserve.config.spec import LEGACY_ADV_ESTIMATOR_KEYS, PolicyCfg, Section
+from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 
 
 def problems(data) -> list[str]:
@@ -68,6 +75,56 @@ def test_megatron_enabled_alone_switches_backend():
     assert parse_spec({"policy": {"megatron_cfg": {"enabled": True}}}).policy.backend == "megatron"
 
 
+def test_backend_names_and_sections_come_from_the_registry():
+    assert parse_spec({}).policy.backend == DEFAULT_BACKEND
+    for name in BACKENDS.names:
+        assert f"{name}_cfg" in PolicyCfg.model_fields, f"backend {name!r} has no policy.{name}_cfg section"
+    (p,) = problems({"policy": {"dtensor_cfg": {"enabled": False}}})
+    assert p.startswith("policy.dtensor_cfg.enabled: no learner backend")
+    assert all(f"policy.{name}_cfg.enabled" in p for name in BACKENDS.names)
+
+
+def test_the_spec_validates_without_importing_torch():
+    code = ("import sys; from rlserve.config import parse_spec; "
+            "parse_spec({'loss_fn': {'name': 'grpo'}, 'grpo': {'adv_estimator': {'name': 'grpo'}}}); "
+            "print('torch' in sys.modules)")
+    libs = str(Path(__file__).resolve().parents[3] / "libs")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": libs})
+    assert out.stdout.strip() == "False"
+
+
+def test_loss_and_advantage_estimator_names_come_from_their_registries():
+    spec = parse_spec({})
+    assert spec.loss_fn.name == "grpo" and spec.grpo.adv_estimator.name == "grpo"
+    assert parse_spec({"loss_fn": {"name": "sft"}}).loss_fn.name == "sft"
+    (p,) = problems({"loss_fn": {"name": "ppo"}})
+    assert p.startswith("loss_fn.name:") and all(repr(n) in p for n in LOSSES.names)
+    (p,) = problems({"grpo": {"adv_estimator": {"name": "gae"}}})
+    assert p.startswith("grpo.adv_estimator.name:") and all(repr(n) in p for n in ADVANTAGE_ESTIMATORS.names)
+
+
+def test_advantage_estimator_defaults_are_nemo_rl_grpo():
+    est = parse_spec({}).grpo.adv_estimator
+    assert est.normalize_rewards is True and est.use_leave_one_out_baseline is False
+
+
+def test_legacy_advantage_keys_move_into_adv_estimator():
+    spec = parse_spec({"grpo": {"normalize_rewards": False, "use_leave_one_out_baseline": True,
+                                "adv_estimator": {"name": "grpo"}}})
+    est = spec.grpo.adv_estimator
+    assert (est.normalize_rewards, est.use_leave_one_out_baseline) == (False, True)
+    assert "normalize_rewards" not in spec.grpo.model_fields
+    assert load_spec(spec_to_yaml(spec)) == spec  # written back in the new form
+    (p,) = problems({"grpo": {"normalize_rewards": False, "adv_estimator": {"normalize_rewards": True}}})
+    assert p.startswith("grpo.normalize_rewards: given twice") and "grpo.adv_estimator.normalize_rewards" in p
+
+
+def test_optimizer_has_no_name():
+    (p,) = problems({"policy": {"optimizer": {"name": "torch.optim.AdamW"}}})
+    assert p.startswith("policy.optimizer.name: unknown key")
+
+
 def _paths(model: type[Section], prefix: str = "") -> list[str]:
     out = []
     for name, field in model.model_fields.items():
@@ -87,6 +144,8 @@ SECTIONS = [name for name, f in RunSpec.model_fields.items() if isinstance(f.ann
 @given(section=st.sampled_from(SECTIONS), key=st.from_regex(r"[a-z][a-z_]{2,20}", fullmatch=True))
 def test_any_unknown_key_is_rejected_with_its_path(section, key):
     known = set(RunSpec.model_fields[section].annotation.model_fields)
+    if section == "grpo":
+        known |= set(LEGACY_ADV_ESTIMATOR_KEYS)
     if key in known:
         return
     (p,) = problems({section: {key: 1}})

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlserve.config.spec import RunSpec
+from rlserve.dtypes import torch_dtype
 from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
@@ -23,8 +24,6 @@ from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
 from rlserve.weights.specs import checkpoint_specs
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PolicyLogprobs(nn.Module):
@@ -69,7 +68,7 @@ class DTensorBackend(LearnerBackend):
         self.dims = ParallelDims.from_world(dist.get_world_size(), cfg.tensor_parallel_size)
         self.mesh = self.dims.build_mesh(device.type)
         self.dp_size, self.dp_rank = self.dims.dp, self.mesh["dp"].get_local_rank()
-        self.param_dtype = _DTYPES[spec.policy.precision]
+        self.param_dtype = torch_dtype(spec.policy.precision)
         torch.manual_seed(spec.grpo.seed)
 
         config = AutoConfig.from_pretrained(self.model_path)
@@ -137,15 +136,11 @@ class DTensorBackend(LearnerBackend):
         return weights.export_weights(self.model, self.model.lm, self.export_names,
                                       self.model.lm.config.tie_word_embeddings, dtype)
 
-    def save_checkpoint(self, path: Path) -> None:
-        checkpoint.save(path, self.model, self.optimizer, {"version": self._version,
-                                                            "scheduler": self.scheduler.state_dict()})
+    def _save_model_and_optimizer(self, path: Path) -> None:
+        checkpoint.save(path, self.model, self.optimizer)
 
-    def load_checkpoint(self, path: Path) -> int:
-        extra = checkpoint.load(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self._version = int(extra["version"])
-        return self._version
+    def _load_model_and_optimizer(self, path: Path) -> None:
+        checkpoint.load(path, self.model, self.optimizer)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:

@@ -12,7 +12,8 @@ update, which this plan does not do (Megatron-Core replicates KV groups over TP:
 
 from __future__ import annotations
 
-from rlserve.config.spec import DTensorCfg
+from rlserve.config.spec import DTensorCfg, RunSpec
+from rlserve.learner.registry import UnsupportedModel
 
 # HF model types whose attention block fuses q/k/v into one projection (kept whole under TP).
 FUSED_ATTENTION = ("phi3",)
@@ -33,3 +34,10 @@ def unsupported_reasons(hf_config, cfg: DTensorCfg) -> list[str]:
         reasons.append(f"policy.dtensor_cfg.tensor_parallel_size {tp} must divide the attention heads ({heads}) "
                        f"and KV heads ({kv})")
     return reasons
+
+
+def check_model(spec: RunSpec, hf_config) -> None:
+    """Raise UnsupportedModel when `policy.dtensor_cfg`'s layout cannot split this model."""
+    reasons = unsupported_reasons(hf_config, spec.policy.dtensor_cfg)
+    if reasons:
+        raise UnsupportedModel("policy.dtensor_cfg.tensor_parallel_size", "; ".join(reasons))

@@ -308,12 +308,15 @@ class MegatronBackend(LearnerBackend):
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         return self.exporter.stream(dtype)
 
-    def save_checkpoint(self, path: Path) -> None:
-        checkpoint.save(path, self.gpt, self.optimizer, {"version": self._version,
-                                                          "scheduler": self.scheduler.state_dict()})
+    def _save_model_and_optimizer(self, path: Path) -> None:
+        checkpoint.save(path, self.gpt, self.optimizer)
 
-    def load_checkpoint(self, path: Path) -> int:
-        extra = checkpoint.load(path, self.gpt, self.optimizer)
-        self.scheduler.load_state_dict(extra["scheduler"])
-        self._version = int(extra["version"])
-        return self._version
+    def _load_model_and_optimizer(self, path: Path) -> None:
+        checkpoint.load(path, self.gpt, self.optimizer)
+
+    def _rng_state(self) -> dict:
+        return {**super()._rng_state(), "tracker": checkpoint.tracker_state()}
+
+    def _set_rng_state(self, state: dict) -> None:
+        super()._set_rng_state(state)
+        checkpoint.set_tracker_state(state["tracker"])

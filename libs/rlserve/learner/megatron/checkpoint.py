@@ -1,6 +1,5 @@
-"""Checkpoints of the megatron backend: Megatron's distributed checkpoint plus rlserve's extra state.
+"""The megatron backend's part of a checkpoint (layout: `rlserve.learner.checkpoint`).
 
-Layout of a checkpoint folder:
 - `megatron/`: `megatron.core.dist_checkpointing` ("torch_dist", i.e. torch
   DCP underneath) of `{"model": model.sharded_state_dict(), "optimizer":
   optimizer.sharded_state_dict(...)}`. Model tensors are stored by their
@@ -9,9 +8,8 @@ Layout of a checkpoint folder:
   distributed optimizer is stored in its bucket layout ("dp_reshardable"), so it
   reloads under another DP size only; the non-distributed optimizer's state is
   per parameter.
-- `rng_rank{r}.pt`: each rank's CPU and CUDA generators and Megatron's
-  tensor-parallel RNG tracker.
-- `extra.pt` (rank 0): version and lr schedule, which the learner app checks for.
+- In each rank's random state, beside the CPU and CUDA generators: Megatron's
+  tensor-parallel RNG tracker (`tracker_state`).
 """
 
 from __future__ import annotations
@@ -35,25 +33,20 @@ def _sharded(model, optimizer, is_loading: bool) -> dict:
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)}
 
 
-def _rng_state() -> dict:
+def tracker_state() -> dict:
+    """Megatron's tensor-parallel RNG tracker (the generators of TP-sharded dropout and init)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    return get_cuda_rng_tracker().get_states()
 
 
-def _set_rng_state(state: dict) -> None:
+def set_tracker_state(state: dict) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state)
 
 
-def save(path: Path, model, optimizer, extra: dict) -> None:
+def save(path: Path, model, optimizer) -> None:
     from megatron.core import dist_checkpointing
 
     folder = path / "megatron"
@@ -61,10 +54,6 @@ def save(path: Path, model, optimizer, extra: dict) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(folder))
-    torch.save(_rng_state(), path / f"rng_rank{dist.get_rank()}.pt")
-    if dist.get_rank() == 0:
-        torch.save(extra, path / "extra.pt")
-    dist.barrier()
 
 
 def _allocate_adam_state(optimizer) -> None:
@@ -103,8 +92,8 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def load(path: Path, model, optimizer) -> dict:
-    """Restore model, optimizer and RNG in place; returns the extra dict that `save` was given."""
+def load(path: Path, model, optimizer) -> None:
+    """Restore model and optimizer in place."""
     from megatron.core import dist_checkpointing
 
     _allocate_adam_state(optimizer)
@@ -113,7 +102,3 @@ def load(path: Path, model, optimizer) -> dict:
     with torch.no_grad():  # the distributed optimizer copies into fp32 shards that are views of leaf params
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)
-    rng = path / f"rng_rank{dist.get_rank()}.pt"
-    if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=True))
-    return torch.load(path / "extra.pt", weights_only=True)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rlserve.config.spec import MegatronCfg, RunSpec
+from rlserve.dtypes import torch_dtype
 
 _NESTED = {"optimizer": "optimizer", "distributed_data_parallel_config": "ddp"}
 
@@ -143,7 +144,7 @@ def use_transformer_engine(cfg: MegatronCfg) -> bool:
 
 
 def param_dtype(spec: RunSpec) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.policy.precision]
+    return torch_dtype(spec.policy.precision)
 
 
 def transformer_overrides(spec: RunSpec, layout, passthrough: Passthrough) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlserve.config.spec import RunSpec
+from rlserve.learner.registry import UnsupportedModel
 from rlserve.learner.megatron.hf_map import SUPPORTED_MODEL_TYPES
 from rlserve.models.architecture import OutputLogits, num_experts
 
@@ -115,9 +117,19 @@ def _moe_reasons(hf_config) -> list[str]:
     return reasons
 
 
+def _refusal(hf_config, reasons: list[str]) -> str:
+    return f"the megatron backend cannot train this {hf_config.model_type} model: {'; '.join(reasons)}; {ALTERNATIVE}"
+
+
 def check_supported(hf_config, max_sequence_length: int | None = None) -> None:
     """Raise NotImplementedError naming every reason and the alternative, if the backend cannot train it."""
     reasons = unsupported_reasons(hf_config, max_sequence_length)
     if reasons:
-        raise NotImplementedError(f"the megatron backend cannot train this {hf_config.model_type} model: "
-                                  f"{'; '.join(reasons)}; {ALTERNATIVE}")
+        raise NotImplementedError(_refusal(hf_config, reasons))
+
+
+def check_model(spec: RunSpec, hf_config) -> None:
+    """Raise UnsupportedModel (naming `policy.megatron_cfg` and the alternative) if the backend cannot train it."""
+    reasons = unsupported_reasons(hf_config, spec.policy.max_total_sequence_length)
+    if reasons:
+        raise UnsupportedModel("policy.megatron_cfg", _refusal(hf_config, reasons))

@@ -1,4 +1,4 @@
-"""Group-relative advantages: one group is the samples drawn for one prompt.
+"""GRPO's group-relative advantages: one group is the samples drawn for one prompt.
 
 GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) replaces PPO's value
 network with the other samples of the same prompt: a sample's advantage is its
@@ -13,13 +13,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlserve.algorithms.interfaces import AdvantageEstimator
+from rlserve.config.spec import AdvEstimatorCfg
 
-def group_advantages(rewards: Tensor, normalize: bool, leave_one_out: bool, eps: float = 1e-6) -> Tensor:
+# Keeps the std normalisation finite for a group of nearly equal rewards.
+STD_EPS = 1e-6
+
+
+class GrpoAdvantageEstimator(AdvantageEstimator):
+    """`grpo.adv_estimator: {name: grpo, normalize_rewards, use_leave_one_out_baseline}` (NeMo-RL's keys)."""
+
+    def __init__(self, cfg: AdvEstimatorCfg):
+        self.cfg = cfg
+
+    def __call__(self, rewards: Tensor) -> Tensor:
+        return group_advantages(rewards, self.cfg.normalize_rewards, self.cfg.use_leave_one_out_baseline)
+
+
+def group_advantages(rewards: Tensor, normalize: bool, leave_one_out: bool) -> Tensor:
     """Advantages [num_groups, group_size] from rewards [num_groups, group_size].
 
     A = r - mean(group), or with `leave_one_out` A = r - mean(other samples of
     the group) = n / (n - 1) * (r - mean(group)). With `normalize`, A is divided
-    by (std + eps) where std is the *unbiased* (Bessel, n - 1) std of the whole
+    by (std + STD_EPS) where std is the *unbiased* (Bessel, n - 1) std of the whole
     group, the estimator NeMo-RL's `calculate_baseline_and_std_per_prompt` uses.
     (For the leave-one-out baseline NeMo-RL divides by the std of the other
     samples instead; we divide by the group's std in both cases so that every
@@ -37,15 +53,5 @@ def group_advantages(rewards: Tensor, normalize: bool, leave_one_out: bool, eps:
         baseline = rewards.mean(dim=1, keepdim=True)
     advantages = rewards - baseline
     if normalize:
-        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=1) + eps)
+        advantages = advantages / (rewards.std(dim=1, keepdim=True, correction=1) + STD_EPS)
     return advantages
-
-
-def zero_variance_groups(rewards: Tensor) -> Tensor:
-    """Bool [num_groups]: groups whose rewards are all exactly equal.
-
-    Their advantages are all zero, so they add no policy-gradient signal (only
-    KL and normaliser weight); the coordinator may drop them (DAPO's dynamic
-    sampling, Yu et al. 2025, arXiv:2503.14476). A group of one is trivially equal.
-    """
-    return (rewards == rewards[:, :1]).all(dim=1)

@@ -1,0 +1,74 @@
+"""What a loss and an advantage estimator are, for the learner's objective and the coordinator.
+
+Implementations live in `losses/` and `advantages/`, one module each, and are
+chosen by name through `rlserve.algorithms.registry`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import Tensor
+
+from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's completion tokens as flat [N] vectors (layout: `rlserve.algorithms.losses`).
+
+    curr: the policy being trained (with grad); prev: the same policy at the
+    start of the step (the PPO "old" policy); gen: the generator that sampled
+    the tokens; ref: the frozen reference. A logprob a loss does not declare a
+    need for may be None.
+    """
+
+    curr_logprobs: Tensor
+    prev_logprobs: Tensor | None
+    gen_logprobs: Tensor | None
+    ref_logprobs: Tensor | None
+    advantages: Tensor
+    mask: Tensor
+    seq_index: Tensor
+    num_seqs: int
+
+
+class Loss(ABC):
+    """A training loss, built from the run's `loss_fn` section, that declares what a step must bring it.
+
+    The step (`rlserve.training.objective.StepObjective`) reads the
+    declarations instead of knowing losses by name.
+    """
+
+    # The batch must carry the generator's logprobs.
+    needs_generator_logprobs: ClassVar[bool]
+    # The loss takes a ratio to the policy at the start of the step: a step of several optimizer
+    # updates computes those logprobs before the first one.
+    needs_prev_logprobs: ClassVar[bool]
+    # The step is cut into optimizer updates of `policy.train_global_batch_size` sequences
+    # (otherwise the whole batch is one update).
+    minibatched: ClassVar[bool]
+    # Set by every constructor: the reference policy's logprobs are used.
+    needs_reference_logprobs: bool
+    # Set by every constructor: the global normaliser counts valid tokens (True) or sequences.
+    token_level: bool
+
+    @abstractmethod
+    def __init__(self, cfg: LossFnCfg) -> None: ...
+
+    @abstractmethod
+    def __call__(self, inputs: LossInputs, global_normalizer: Tensor | float) -> tuple[Tensor, dict[str, Tensor]]:
+        """(this micro-batch's share of the step loss, its metric sums; see `rlserve.algorithms.metrics`)."""
+
+
+class AdvantageEstimator(ABC):
+    """Turns a step's rewards into per-sample advantages, built from `grpo.adv_estimator`."""
+
+    @abstractmethod
+    def __init__(self, cfg: AdvEstimatorCfg) -> None: ...
+
+    @abstractmethod
+    def __call__(self, rewards: Tensor) -> Tensor:
+        """Advantages [num_groups, group_size] from rewards [num_groups, group_size] (a group: one prompt)."""

@@ -1,0 +1,37 @@
+"""Losses and advantage estimators by name: `loss_fn.name` and `grpo.adv_estimator.name`.
+
+The tables say where each one's class lives; it is imported when first used,
+so the spec validates names without loading torch. Adding a loss is its module
+under `losses/` (a `Loss`, see `rlserve.algorithms.interfaces`), its line in
+`LOSSES` and its test; an advantage estimator likewise under `advantages/`.
+(verl's `register_policy_loss` / `register_adv_est` registries, made lazy.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlserve.registry import Registry, import_object
+
+if TYPE_CHECKING:
+    from rlserve.algorithms.interfaces import AdvantageEstimator, Loss
+    from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
+
+LOSSES = Registry("loss", {
+    "grpo": "rlserve.algorithms.losses.grpo:GrpoLoss",
+    "sft": "rlserve.algorithms.losses.sft:SftLoss",
+})
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", {
+    "grpo": "rlserve.algorithms.advantages.grpo:GrpoAdvantageEstimator",
+})
+
+
+def make_loss(name: str, cfg: LossFnCfg) -> Loss:
+    """The loss registered as `name`, configured by the run's `loss_fn` section (ValueError if unknown)."""
+    return import_object(LOSSES[name])(cfg)
+
+
+def advantage_estimator(cfg: AdvEstimatorCfg) -> AdvantageEstimator:
+    """The estimator `cfg.name` names, configured by `cfg` (ValueError if unknown)."""
+    return import_object(ADVANTAGE_ESTIMATORS[cfg.name])(cfg)
