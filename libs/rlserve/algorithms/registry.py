@@ -22,6 +22,9 @@ LOSSES = Registry("loss", {
     "sft": "rlserve.algorithms.losses.sft:SftLoss",
 })
 
+# Losses that train on reference answers, not on rewards: the SFT warm start's, never a run's RL loss.
+SUPERVISED_LOSSES = ("sft",)
+
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", {
     "grpo": "rlserve.algorithms.advantages.grpo:GrpoAdvantageEstimator",
 })

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES
+from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
 from rlserve.data.tasks import TASKS
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
@@ -288,7 +288,7 @@ class SftCfg(Section):
 
 class LossFnCfg(Section):
     # The loss of the GRPO steps (`rlserve.algorithms.registry`); the SFT warm start always uses "sft".
-    name: Literal[LOSSES.names] = "grpo"
+    name: Literal[tuple(n for n in LOSSES.names if n not in SUPERVISED_LOSSES)] = "grpo"
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     kl_input_clamp_value: float | None = Field(20.0, gt=0)

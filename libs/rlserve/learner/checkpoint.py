@@ -41,6 +41,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
+    # Checkpoints of the dtensor backend written before the layout was shared name the CPU state "rng".
+    torch.set_rng_state(state["cpu"] if "cpu" in state else state["rng"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

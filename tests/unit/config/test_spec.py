@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES
+from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
 from rlserve.config import RunSpec, SpecError, load_spec, parse_spec, spec_to_yaml
 from rlserve.config.spec import LEGACY_ADV_ESTIMATOR_KEYS, PolicyCfg, Section
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
@@ -97,9 +97,11 @@ def test_the_spec_validates_without_importing_torch():
 def test_loss_and_advantage_estimator_names_come_from_their_registries():
     spec = parse_spec({})
     assert spec.loss_fn.name == "grpo" and spec.grpo.adv_estimator.name == "grpo"
-    assert parse_spec({"loss_fn": {"name": "sft"}}).loss_fn.name == "sft"
+    rl_losses = [n for n in LOSSES.names if n not in SUPERVISED_LOSSES]
     (p,) = problems({"loss_fn": {"name": "ppo"}})
-    assert p.startswith("loss_fn.name:") and all(repr(n) in p for n in LOSSES.names)
+    assert p.startswith("loss_fn.name:") and all(repr(n) in p for n in rl_losses)
+    (p,) = problems({"loss_fn": {"name": "sft"}})  # the warm start's loss, not a run's RL loss
+    assert p.startswith("loss_fn.name:")
     (p,) = problems({"grpo": {"adv_estimator": {"name": "gae"}}})
     assert p.startswith("grpo.adv_estimator.name:") and all(repr(n) in p for n in ADVANTAGE_ESTIMATORS.names)
 
