@@ -59,9 +59,9 @@ def reference_run():
 
 
 def adapters_and_reference(rank, world):
-    from rlserve.learner import lora
     from rlserve.reference.scorer import ReferenceScorer, Sequence
     from rlserve.training.objective import StepObjective
+    from rlserve.weights import adapter
 
     b = backend(spec_dict(1))
     base = {n: p.detach().clone() for n, p in b.model.named_parameters() if not p.requires_grad}
@@ -83,7 +83,7 @@ def adapters_and_reference(rank, world):
                              for x in lp])
     names = [n for n, _ in b.export_weights()]
     return (frozen_same, moved, len(adapters), optimizer_params, (off - base_lps).abs().max().item(),
-            (on - base_lps).abs().max().item(), names, b.adapter, lora.PEFT_PREFIX)
+            (on - base_lps).abs().max().item(), names, b.adapter_config, adapter.PEFT_PREFIX)
 
 
 

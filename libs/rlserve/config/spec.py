@@ -544,3 +544,9 @@ class RunSpec(Section):
     def batch_size(self) -> int:
         """Trajectories per GRPO step."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def reference_from_service(self) -> bool:
+        """The KL term needs reference logprobs, and the reference service computes them: a LoRA run's
+        learner computes them itself with its adapters off (its reference is the base model)."""
+        return self.loss_fn.reference_policy_kl_penalty > 0 and not self.policy.lora.enabled

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 from rlserve.config.spec import RunSpec
-from rlserve.learner import checkpoint, lora
+from rlserve.learner import checkpoint
 from rlserve.models.hf_io import write_hf_folder
 from rlserve.training.batch import TrainBatch
 from rlserve.training.objective import StepObjective
+from rlserve.weights import adapter
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class LearnerBackend(ABC):
     dp_rank: int
     _version: int
     # LoRA: the adapter's PEFT config (`rlserve.learner.lora.adapter_config`); None: every weight trains.
-    adapter: dict | None = None
+    adapter_config: dict | None = None
 
     @abstractmethod
     def info(self) -> BackendInfo: ...
@@ -79,7 +80,7 @@ class LearnerBackend(ABC):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         if objective.reference_missing:
-            if self.adapter is None:
+            if self.adapter_config is None:
                 raise ValueError("the loss needs reference logprobs (loss_fn.reference_policy_kl_penalty > 0) "
                                  "and the batch carries none")
             with torch.no_grad():
@@ -112,8 +113,9 @@ class LearnerBackend(ABC):
 
     @abstractmethod
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF checkpoint-named full tensors (with LoRA: the adapter's, PEFT-named), one at a time. Every rank must exhaust the iterator
-        (gathers are collective); only rank 0 gets the tensors, other ranks get empty placeholders."""
+        """HF checkpoint-named full tensors (with LoRA: the adapter's, PEFT-named), one at a time. Every
+        rank must exhaust the iterator (gathers are collective); only rank 0 gets the tensors, other
+        ranks get empty placeholders."""
 
     def save_checkpoint(self, path: Path) -> None:
         """Model, optimizer, RNG, lr schedule and version, in the layout of `rlserve.learner.checkpoint`."""
@@ -156,8 +158,8 @@ class LearnerBackend(ABC):
         PEFT adapter folder (`rlserve export --merge` merges it into its base)."""
         tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
         if dist.get_rank() == 0:
-            if self.adapter is not None:
-                lora.write_adapter(path, tensors, self.adapter)
+            if self.adapter_config is not None:
+                adapter.write_adapter(path, tensors, self.adapter_config)
             else:
                 write_hf_folder(path, tensors, self.model_path, {"version": self._version})
         dist.barrier()

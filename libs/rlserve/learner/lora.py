@@ -3,28 +3,21 @@
 The spec names target modules by the model's own module names (`q_proj`, ...,
 `down_proj` for Llama-shaped models); `match_all_linear` adapts every linear
 layer of the decoder layers (attention and MLP), never the embeddings or the
-head. What leaves the learner is a PEFT adapter: tensors named
-`base_model.model.<module>.lora_A.weight` / `lora_B.weight` plus an
-`adapter_config.json`, the layout `peft` and vLLM load.
+head. What leaves the learner is a PEFT adapter (`rlserve.weights.adapter`:
+the layout `peft` and vLLM load).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from rlserve.config.spec import LoraCfg, RunSpec
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# How PEFT names the tensors of a saved adapter: this prefix, then the module's path in the model.
-PEFT_PREFIX = "base_model.model."
+from rlserve.weights import adapter
 
 
 class LoraMismatch(ValueError):
@@ -76,11 +69,8 @@ def check_lora(spec: RunSpec, hf_config: Any) -> list[str]:
 
 
 def adapter_config(cfg: LoraCfg, targets: list[str], base_model: str) -> dict[str, Any]:
-    """The PEFT `adapter_config.json` of an adapter trained with `cfg` (what peft and vLLM read)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": cfg.dim, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout, "target_modules": targets,
-            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-            "modules_to_save": None, "inference_mode": True}
+    """The PEFT `adapter_config.json` of an adapter trained with `cfg`."""
+    return adapter.adapter_config(cfg.dim, cfg.alpha, cfg.dropout, targets, base_model)
 
 
 def inject(model: nn.Module, cfg: LoraCfg, targets: list[str]) -> None:
@@ -91,21 +81,6 @@ def inject(model: nn.Module, cfg: LoraCfg, targets: list[str]) -> None:
                                        target_modules=targets, bias="none"), model)
     for name, param in model.named_parameters():
         param.requires_grad = ".lora_" in name
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
-
-
-def peft_name(param_name: str) -> str:
-    """`model.layers.0.self_attn.q_proj.lora_A.default.weight` -> PEFT's saved name of it."""
-    return PEFT_PREFIX + param_name.replace(".default.", ".")
-
-
-def param_name(peft: str) -> str:
-    """The inverse of `peft_name`."""
-    module, _, kind = peft.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-    return f"{module}.lora_{kind.replace('.', '.default.', 1)}"
 
 
 @contextmanager
@@ -126,18 +101,3 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     finally:
         for m in layers:
             m._disable_adapters = False
-
-
-def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    """A PEFT adapter folder (config + safetensors) that peft and vLLM load."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / ADAPTER_WEIGHTS), {"format": "pt"})
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-
-
-def read_adapter(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / ADAPTER_WEIGHTS)), json.loads((folder / ADAPTER_CONFIG).read_text())

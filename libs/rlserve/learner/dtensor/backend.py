@@ -24,6 +24,7 @@ from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
+from rlserve.weights import adapter
 from rlserve.weights.specs import checkpoint_specs
 
 
@@ -80,11 +81,11 @@ class DTensorBackend(LearnerBackend):
         self.pad_id = lm.config.pad_token_id or 0
         self.num_parameters = sum(p.numel() for p in lm.parameters())
         self.export_names = set(checkpoint_specs(self.model_path))
-        self.adapter = None
+        self.adapter_config = None
         if spec.policy.lora.enabled:
             targets = lora.target_modules(spec.policy.lora, lora.decoder_linears(lm), spec.policy.lora_key)
             lora.inject(lm, spec.policy.lora, targets)
-            self.adapter = lora.adapter_config(spec.policy.lora, targets, str(self.model_path))
+            self.adapter_config = lora.adapter_config(spec.policy.lora, targets, str(self.model_path))
             # The frozen base is kept in the learner's precision; the adapters in fp32 (mixed precision
             # casts them for compute).
             for name, param in lm.named_parameters():
@@ -111,8 +112,8 @@ class DTensorBackend(LearnerBackend):
     def info(self) -> BackendInfo:
         attention = (f"transformers attention ({self.attention_fallback})" if self.attention_fallback
                      else "maskless packed attention")
-        adapters = (f"; LoRA r={self.adapter['r']} on {','.join(self.adapter['target_modules'])}, "
-                    f"{sum(p.numel() for p in self.trainable) / 1e6:.2f}M trainable" if self.adapter else "")
+        adapters = (f"; LoRA r={self.adapter_config['r']} on {','.join(self.adapter_config['target_modules'])}, "
+                    f"{sum(p.numel() for p in self.trainable) / 1e6:.2f}M trainable" if self.adapter_config else "")
         return BackendInfo(self.name, self.dims.world_size, f"{self.dims.describe()}; {attention}{adapters}",
                            self.num_parameters, str(self.device))
 
@@ -150,14 +151,14 @@ class DTensorBackend(LearnerBackend):
 
     def _load_adapter(self, folder: Path) -> None:
         """Start from a trained adapter (a LoRA run's SFT warm start): its tensors into the adapter parameters."""
-        if self.adapter is None:
+        if self.adapter_config is None:
             raise ValueError(f"{folder} is a LoRA adapter, and this run trains without LoRA")
-        tensors, config = lora.read_adapter(folder)
+        tensors, config = adapter.read_adapter(folder)
         if (config.get("r"), sorted(config.get("target_modules", []))) != (
-                self.adapter["r"], sorted(self.adapter["target_modules"])):
+                self.adapter_config["r"], sorted(self.adapter_config["target_modules"])):
             raise ValueError(f"{folder}: an adapter of rank {config.get('r')} on {config.get('target_modules')}, "
-                             f"not this run's rank {self.adapter['r']} on {self.adapter['target_modules']}")
-        weights.load_adapter(self.model, {lora.param_name(n): t for n, t in tensors.items()})
+                             f"not this run's rank {self.adapter_config['r']} on {self.adapter_config['target_modules']}")
+        weights.load_adapter(self.model, {adapter.param_name(n): t for n, t in tensors.items()})
 
     def _clip_and_step(self) -> torch.Tensor:
         norm = clip_grad_norm(self.trainable, self.spec.policy.max_grad_norm)
@@ -165,7 +166,7 @@ class DTensorBackend(LearnerBackend):
         return norm
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.adapter is not None:
+        if self.adapter_config is not None:
             return weights.export_adapter(self.model, dtype)
         return weights.export_weights(self.model, self.model.lm, self.export_names,
                                       self.model.lm.config.tie_word_embeddings, dtype)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from rlserve.learner import lora
 from rlserve.models.checkpoint_layout import to_checkpoint
+from rlserve.weights import adapter
 from rlserve.weights.buckets import to_host
 
 
@@ -49,17 +49,17 @@ def export_adapter(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tupl
     """A LoRA run's adapter tensors, PEFT-named (the base never changes, so it never travels)."""
     rank0 = dist.get_rank() == 0
     for name, param in model.named_parameters():
-        if not lora.is_adapter(name):
+        if not adapter.is_adapter_param(name):
             continue
         full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-        yield lora.peft_name(hf_name(name)), to_host(full, dtype) if rank0 else torch.empty(0)
+        yield adapter.peft_name(hf_name(name)), to_host(full, dtype) if rank0 else torch.empty(0)
 
 
 def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Full adapter tensors (parameter names without the wrapper prefixes) into the sharded parameters."""
     from torch.distributed.tensor import distribute_tensor
 
-    params = {hf_name(n): p for n, p in model.named_parameters() if lora.is_adapter(n)}
+    params = {hf_name(n): p for n, p in model.named_parameters() if adapter.is_adapter_param(n)}
     if set(params) != set(tensors):
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
         raise ValueError(f"the adapter does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")

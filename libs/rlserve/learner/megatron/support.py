@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlserve.config.spec import RunSpec
-from rlserve.learner.registry import UnsupportedModel
 from rlserve.learner.megatron.hf_map import SUPPORTED_MODEL_TYPES
+from rlserve.learner.registry import UnsupportedModel
 from rlserve.models.architecture import OutputLogits, num_experts
 
 ALTERNATIVE = "train it with the dtensor backend (policy.dtensor_cfg.enabled: true, the default)"
