@@ -1,6 +1,7 @@
 """LoRA in the rollout engines: after two adapter updates, the logprobs vLLM's CPU build and the
 transformers engine sample with equal teacher-forced logprobs of the base model with that adapter
-(through peft) and differ from the base's; a vLLM engine started for LoRA still takes full weights."""
+(through peft) and differ from the base's; full weights and adapters take turns on one engine (a
+full-parameter run and a LoRA run after each other), each exact."""
 
 from __future__ import annotations
 
@@ -86,7 +87,10 @@ def test_samples_under_the_newest_adapter_match_peft(engine, loop, adapters, tmp
     torch.testing.assert_close(got_base, peft_logprobs(None, PROMPTS, base), atol=1e-4, rtol=0)
 
 
-def test_a_lora_enabled_vllm_engine_still_takes_full_weights(loop, tmp_path):
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapters, tmp_path):
+    """A full-parameter run after a LoRA run gets its weights without the adapter; a LoRA run after a
+    full-parameter run gets its adapter on the deployed base, not on the other run's weights."""
     from rlserve.models.factory import make_model
     from rlserve.models.presets import get_preset
 
@@ -94,18 +98,23 @@ def test_a_lora_enabled_vllm_engine_still_takes_full_weights(loop, tmp_path):
     cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16)
 
     async def run():
-        eng = make_engine("vllm", cfg)
+        eng = make_engine(engine, cfg)
         try:
-            await eng.load_weights(list(load_file(other / "model.safetensors").items()), 1, False)
-            return await eng.generate(PROMPTS, 2, SAMPLING)
+            await eng.load_adapter(Path(shutil.copytree(adapters[0], tmp_path / "a1")), 1, False)
+            await eng.load_weights(list(load_file(other / "model.safetensors").items()), 2, False)
+            full = await eng.generate(PROMPTS, 2, SAMPLING)
+            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a2")), 3, False)
+            return full, await eng.generate(PROMPTS, 2, SAMPLING)
         finally:
             await eng.close()
 
-    out = loop.run(run())
-    seqs = [p + s.token_ids for p, ss in zip(PROMPTS, out) for s in ss]
+    full, tuned = loop.run(run())
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
-    want = completion_logprobs(model, seqs, [len(p) for p, ss in zip(PROMPTS, out) for _ in ss])
-    torch.testing.assert_close(torch.tensor([x for ss in out for s in ss for x in s.logprobs]), want,
+    seqs = [p + s.token_ids for p, ss in zip(PROMPTS, full) for s in ss]
+    want = completion_logprobs(model, seqs, [len(p) for p, ss in zip(PROMPTS, full) for _ in ss])
+    torch.testing.assert_close(torch.tensor([x for ss in full for s in ss for x in s.logprobs]), want,
                                atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor([x for ss in tuned for s in ss for x in s.logprobs]),
+                               peft_logprobs(adapters[1], PROMPTS, tuned), atol=1e-4, rtol=0)

@@ -41,6 +41,7 @@ class TransformersEngine(BatchEngine):
         self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._served_adapter: tuple[int, list[str]] | None = None  # (rank, targets) of the adapter layers added
+        self._base_replaced = False  # a full-weight update replaced the deployed base
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
@@ -98,6 +99,8 @@ class TransformersEngine(BatchEngine):
         if not self.cfg.enable_lora:
             raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
         tensors, config = adapter.read_adapter(folder)
+        if self._base_replaced:  # an earlier full-parameter run's weights: the deployed base first
+            self._load_base()
         if self._served_adapter is None:
             inject_adapter_in_model(LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"],
                                                target_modules=config["target_modules"], bias="none"), self.model)
@@ -121,8 +124,17 @@ class TransformersEngine(BatchEngine):
         self._load_checkpoint_state(state)
 
     def _load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included)."""
+        """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included); a
+        model that carries adapters (an earlier LoRA run's) is rebuilt without them first."""
+        if self._served_adapter is not None:
+            self._load_base()
         load_from_checkpoint(self.model, state)
+        self._base_replaced = True
+
+    def _load_base(self) -> None:
+        """The deployed model as it was started, without adapters."""
+        self.model = load_causal_lm(self.cfg.model_path, torch_dtype(self.cfg.dtype)).to(self.device).eval()
+        self._served_adapter, self._base_replaced = None, False
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

@@ -116,6 +116,8 @@ class VllmEngine(RolloutEngine):
         # The adapter served on the base model (LoRA runs), and the folders of it vLLM may still read.
         self._lora = None
         self._adapter_folders: list[Path] = []
+        # A full-weight update replaced the deployed base (a LoRA run's adapter needs it back first).
+        self._base_replaced = False
 
     def _start(self, model: Path):
         cores = () if torch.cuda.is_available() else self.cfg.cpu_cores
@@ -259,10 +261,15 @@ class VllmEngine(RolloutEngine):
             await self._pause(in_flight)
             try:
                 await self.llm.collective_rpc("rlserve_reload_weights", kwargs={"weights_path": str(path)})
+                self._full_weights_loaded()
                 await self.llm.update_weight_version(str(version))
                 await self._switched(version, in_flight)
             finally:
                 await self._resume()
+
+    def _full_weights_loaded(self) -> None:
+        """A run's full weights replaced the base: no adapter applies on them."""
+        self._base_replaced, self._lora = True, None
 
     async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
         """The adapter replaces the one served, in place (one LoRA slot, reloaded): the same sequence as a
@@ -272,9 +279,15 @@ class VllmEngine(RolloutEngine):
 
         if not self.cfg.enable_lora:
             raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
+        if self.reload_mode == "rebuild":
+            raise ValueError("this rollout rebuilds its engine for every update; it serves no LoRA adapters")
         async with self._updating:
             await self._pause(in_flight)
             try:
+                if self._base_replaced:  # an earlier full-parameter run's weights: the deployed base first
+                    await self.llm.collective_rpc("rlserve_reload_weights",
+                                                  kwargs={"weights_path": str(self.cfg.model_path)})
+                    self._base_replaced = False
                 request = LoRARequest(_ADAPTER_NAME, 1, str(folder), load_inplace=True)
                 if not await self.llm.add_lora(request):
                     raise RuntimeError(f"vLLM did not load the adapter in {folder}")
@@ -348,6 +361,7 @@ class VllmEngine(RolloutEngine):
             except BaseException:
                 await self.llm.collective_rpc("rlserve_abort_weight_update")
                 raise
+            self._full_weights_loaded()
             await self._switched(version, in_flight)
         finally:
             await self._resume()
