@@ -17,6 +17,9 @@ Runs (`--runs`, each `learner:layout`):
                               "balanced"; `packed-ffd`: plain first-fit decreasing);
   - dtensor|megatron:fixed    every row `--fixed-seq` tokens (prompt `--prompt`), as many rows as
                               make the batch's real token count, `--pack-tokens` tokens per micro-batch.
+  - dtensor-lora:LAYOUT       the dtensor backend training rank-32 LoRA adapters on every linear layer
+                              of attention and MLP (the base frozen in bf16); rows report step time and
+                              peak memory against dtensor:LAYOUT (full fine-tuning).
 
 Reported per run: real (non-pad) tokens/s, model TFLOP/s and MFU on real tokens (6 x parameters
 without the input embedding per token, plus 12 x layers x hidden x length per token of each
@@ -90,6 +93,8 @@ def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_
               "sequence_packing": packing}
     if backend == "megatron":
         policy["megatron_cfg"] = {"enabled": True}
+    if backend == "dtensor-lora":
+        policy["dtensor_cfg"] = {"lora_cfg": {"enabled": True, "dim": 32}}
     return parse_spec({"policy": policy, "cluster": {"device": "cuda"},
                        "loss_fn": {"reference_policy_kl_penalty": 0.01, "use_importance_sampling_correction": True}})
 
@@ -275,10 +280,15 @@ def measure(run: str, name: str, layout: str, batch: TrainBatch, path: Path, arg
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Real tokens/s against the same learner padded and on fixed-length rows, and against plain."""
+    """Real tokens/s against the same learner padded and on fixed-length rows, and against plain; a
+    LoRA run's step time and peak memory against full fine-tuning in the same layout."""
     by_run = {r["run"]: r for r in rows if "real_tokens_per_s" in r}
     for r in by_run.values():
-        name, _ = r["run"].split(":")
+        name, layout = r["run"].split(":")
+        full = by_run.get(f"{name.removesuffix('-lora')}:{layout}")
+        if name.endswith("-lora") and full is not None:
+            r["step_time_vs_full"] = r["step_s"] / full["step_s"]
+            r["peak_mem_vs_full"] = r["peak_mem_gib"] / full["peak_mem_gib"]
         for ref_run, key in ((f"{name}:padded", "vs_padded"), (f"{name}:fixed", "vs_fixed"),
                              ("plain:padded", "vs_plain")):
             if ref_run in by_run and ref_run != r["run"]:

@@ -37,7 +37,7 @@ BUCKET_MB = 64
 REPLICAS = 2
 
 
-def bench_cluster(root: Path, preset: str, port_base: int):
+def bench_cluster(root: Path, preset: str, port_base: int, rollout_args: dict | None = None):
     import yaml
 
     from rlserve.cluster.config import load_cluster_file
@@ -48,7 +48,8 @@ def bench_cluster(root: Path, preset: str, port_base: int):
             "expose_internal": True, "num_cpus": 4, "object_store_memory_mb": 2048,
             "runs_dir": str(root / "runs"),
             "services": {"rollout": {"replicas": REPLICAS, "num_cpus": 0.5,
-                                     "args": {"engine": "vllm", "model": f"preset:{preset}", "max_model_len": 128}},
+                                     "args": {"engine": "vllm", "model": f"preset:{preset}", "max_model_len": 128,
+                                              **(rollout_args or {})}},
                          "learner": {"num_cpus": 0.1}}}
     path = root / f"{preset}.yaml"
     path.write_text(yaml.safe_dump(data))

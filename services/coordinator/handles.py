@@ -18,7 +18,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from rlserve.grpo.retry import RetryPolicy, Retrying
+from rlserve.grpo.retry import Retrying, RetryPolicy
 from rlserve.grpo.services import RunServices, ServiceFailure
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2

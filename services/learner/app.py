@@ -34,6 +34,7 @@ from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument, not_fo
 from rlserve.security.paths import PathsArgs
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2
+from rlserve.weights import adapter
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.learner.worker import LearnerWorker
 
@@ -119,6 +120,22 @@ class Learner:
                 raise invalid_argument("request", str(cause).splitlines()[0]) from None
             raise
 
+    def _initial_policy(self, init_model_path: str, spec: RunSpec) -> tuple[Path, str | None]:
+        """(the model folder, the PEFT adapter folder to start LoRA adapters from or None). `init_model_path`
+        names an HF folder, or with LoRA an adapter folder (the run's SFT warm start) for the spec's base."""
+        field = "init_model_path" if init_model_path else "spec_yaml: policy.model_name"
+        name = self.paths.model_name(field, init_model_path or spec.policy.model_name)
+        init_adapter = None
+        if init_model_path and adapter.is_adapter_folder(Path(name)):
+            if not spec.policy.lora.enabled:
+                raise invalid_argument(field, f"{init_model_path[:200]} is a LoRA adapter; the run trains without LoRA")
+            init_adapter, field = name, "spec_yaml: policy.model_name"
+            name = self.paths.model_name(field, spec.policy.model_name)
+        try:
+            return resolve_model(name, spec.policy.model_seed), init_adapter
+        except ValueError as err:
+            raise invalid_argument(field, str(err)) from None
+
     @grpc_method
     async def Configure(self, request: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
         if not request.run_id:
@@ -127,12 +144,7 @@ class Learner:
             spec = load_spec(request.spec_yaml)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
-        field = "init_model_path" if request.init_model_path else "spec_yaml: policy.model_name"
-        name = self.paths.model_name(field, request.init_model_path or spec.policy.model_name)
-        try:
-            model_path = resolve_model(name, spec.policy.model_seed)
-        except ValueError as err:
-            raise invalid_argument(field, str(err)) from None
+        model_path, init_adapter = self._initial_policy(request.init_model_path, spec)
         cl = spec.cluster
         async with self.lock:
             self._teardown()
@@ -156,7 +168,8 @@ class Learner:
             ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
                 for i in range(cl.num_workers)]
             self.session = Session(request.run_id, spec, pg, workers, rendezvous)
-            infos = await self._all([w.configure.remote(request.spec_yaml, str(model_path)) for w in workers])
+            infos = await self._all([w.configure.remote(request.spec_yaml, str(model_path), init_adapter)
+                                     for w in workers])
             info = infos[0]
             event(log, "learner.configured", run=request.run_id, backend=info.backend, layout=info.parallel_layout,
                   params=info.num_parameters, device=info.device, seconds=time.perf_counter() - t0)
@@ -210,7 +223,7 @@ class Learner:
             return learner_pb2.ExportWeightsResponse(
                 weight_version=out.version, num_buckets=out.num_buckets, num_tensors=out.num_tensors,
                 num_bytes=out.num_bytes, seconds=out.seconds, direct_bytes=out.direct_bytes,
-                receivers=out.receivers, failed=failed)
+                receivers=out.receivers, failed=failed, model_bytes=out.model_bytes)
 
     @grpc_method
     async def SaveCheckpoint(self, request: learner_pb2.SaveCheckpointRequest

@@ -37,10 +37,10 @@ class LearnerWorker:
         self.backend = None
         self.publisher: Publisher | None = None
 
-    def configure(self, spec_yaml: str, model_path: str) -> BackendInfo:
+    def configure(self, spec_yaml: str, model_path: str, init_adapter: str | None) -> BackendInfo:
         spec = load_spec(spec_yaml)
         torch.manual_seed(spec.grpo.seed)
-        self.backend = make_backend(spec, Path(model_path), self.device)
+        self.backend = make_backend(spec, Path(model_path), self.device, Path(init_adapter) if init_adapter else None)
         self.spec = spec
         return self.backend.info()
 

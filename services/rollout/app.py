@@ -186,7 +186,8 @@ class Rollout:
             tensor_parallel_size=self.args.tensor_parallel_size,
             gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager,
             weight_transfer=self.engine.transfer_backend or "", activity=self._activity(),
-            run_id=self.weights.run_id)
+            run_id=self.weights.run_id, lora_enabled=self.args.enable_lora, max_loras=self.args.max_loras,
+            max_lora_rank=self.args.max_lora_rank)
 
 
 def build(args: dict) -> serve.Application:

@@ -31,3 +31,16 @@ def test_validate_cli(tmp_path):
     fail = subprocess.run([CLI, "validate", str(bad)], capture_output=True, text=True)
     assert fail.returncode == 1
     assert "grpo.max_num_step: unknown key" in fail.stderr
+
+
+def test_validate_checks_lora_against_a_model_it_can_read(tmp_path):
+    def validate(lora: dict) -> subprocess.CompletedProcess:
+        path = tmp_path / "lora.yaml"
+        path.write_text(yaml.safe_dump({"policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True, **lora}}}}))
+        return subprocess.run([CLI, "validate", str(path)], capture_output=True, text=True)
+
+    assert validate({"dim": 16}).returncode == 0
+    wide = validate({"dim": 100})
+    assert wide.returncode == 1 and "policy.dtensor_cfg.lora_cfg.dim: 100 exceeds the width of k_proj" in wide.stderr
+    missing = validate({"target_modules": ["qkv"], "match_all_linear": False})
+    assert missing.returncode == 1 and "lora_cfg.target_modules: 'qkv' is not a linear layer" in missing.stderr

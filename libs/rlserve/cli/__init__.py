@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlserve.cli import models, runs, spec
+from rlserve.cli import export, models, runs, spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.register(sub)
     models.register(sub)
     runs.register(sub)
+    export.register(sub)
     return parser
 
 

@@ -25,9 +25,31 @@ def validate(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"{args.spec}: {err}", file=sys.stderr)
         return 1
+    if spec.policy.lora.enabled and not _lora_fits(args.spec, spec):
+        return 1
     if args.print:
         print(spec_to_yaml(spec), end="")
     else:
         print(f"{args.spec}: valid ({spec.policy.backend} learner, {spec.batch_size} trajectories/step, "
               f"max staleness {spec.grpo.max_age})")
     return 0
+
+
+def _lora_fits(path: Path, spec) -> bool:
+    """A LoRA section against the model's layers, where the model is here to read (a preset, or a folder
+    on this machine); otherwise SubmitRun checks it on the cluster."""
+    from rlserve.learner.lora import LoraMismatch, check_lora
+    from rlserve.models import hf_config
+
+    try:
+        config = hf_config(spec.policy.model_name)
+    except (OSError, ValueError):
+        print(f"{path}: note: {spec.policy.model_name} is not here; SubmitRun checks the LoRA targets against it",
+              file=sys.stderr)
+        return True
+    try:
+        check_lora(spec, config)
+    except LoraMismatch as err:
+        print(f"{path}: invalid spec:\n  - {err}", file=sys.stderr)
+        return False
+    return True

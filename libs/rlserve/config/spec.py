@@ -14,7 +14,7 @@ of 2**70 once made every later ListRuns fail).
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -33,6 +33,7 @@ MAX_EXAMPLES = 1_000_000
 MAX_VAL_EXAMPLES = 100_000
 MAX_SEED = 2**31 - 1
 MAX_WORKERS = 1024
+MAX_LORA_RANK = 1024
 MAX_NAME_CHARS = 64
 MAX_PATH_CHARS = 4096
 MAX_SYSTEM_PROMPT_CHARS = 65_536
@@ -76,12 +77,50 @@ class SchedulerCfg(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
 
 
+class LoraCfg(Section):
+    """LoRA adapters (Hu et al. 2021, arXiv:2106.09685): the base model stays frozen, only low-rank
+    updates B A of the targeted linear layers train, scaled by alpha / dim. NeMo-RL's keys, at its
+    paths: `policy.dtensor_cfg.lora_cfg` and `policy.megatron_cfg.peft` (the enabled backend's
+    section counts). With LoRA the reference policy is the base model with the adapters off."""
+
+    enabled: bool = False
+    # The rank r.
+    dim: int = Field(32, ge=1, le=MAX_LORA_RANK)
+    # The scale's numerator; unset: 2 x dim.
+    alpha: float = Field(64.0, gt=0, le=1e6)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # The model's own module names (q_proj, ..., down_proj for Llama-shaped models); with
+    # match_all_linear, every linear layer of attention and MLP (never embeddings or the head).
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]] = Field([], max_length=64)
+    exclude_modules: list[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]] = Field([], max_length=64)
+    match_all_linear: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alpha_twice_dim(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "alpha" not in data:
+            dim = data.get("dim", cls.model_fields["dim"].default)
+            if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1:
+                data = {**data, "alpha": 2.0 * dim}
+        return data
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraCfg:
+        if self.enabled and not self.match_all_linear and not self.target_modules:
+            raise ValueError("target_modules: empty, and match_all_linear is off: no layer would be adapted")
+        return self
+
+
 class DTensorCfg(Section):
     enabled: bool = True
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_WORKERS)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    lora_cfg: LoraCfg = LoraCfg()
+
+    # Where this backend's LoRA section lives (NeMo-RL's key).
+    LORA_KEY: ClassVar[str] = "lora_cfg"
 
 
 class MegatronCfg(Section):
@@ -99,8 +138,11 @@ class MegatronCfg(Section):
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     use_distributed_optimizer: bool = True
+    peft: LoraCfg = LoraCfg()
     # "auto": Transformer Engine spec when transformer_engine imports, else local.
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+
+    LORA_KEY: ClassVar[str] = "peft"
 
     def passthrough(self) -> dict[str, Any]:
         """Keys the user gave that are not fields of this class (forwarded to Megatron)."""
@@ -201,6 +243,27 @@ class PolicyCfg(Section):
     def backend(self) -> str:
         """The learner backend's name: the one whose `<name>_cfg` section is enabled."""
         return next(name for name in BACKENDS.names if getattr(self, f"{name}_cfg").enabled)
+
+    @property
+    def lora_key(self) -> str:
+        """The key path of the enabled backend's LoRA section (for messages)."""
+        return f"policy.{self.backend}_cfg.{type(getattr(self, f'{self.backend}_cfg')).LORA_KEY}"
+
+    @property
+    def lora(self) -> LoraCfg:
+        """The enabled backend's LoRA section."""
+        section = getattr(self, f"{self.backend}_cfg")
+        return getattr(section, type(section).LORA_KEY)
+
+    @model_validator(mode="after")
+    def _lora_in_the_enabled_backend(self) -> PolicyCfg:
+        for name in BACKENDS.names:
+            section = getattr(self, f"{name}_cfg")
+            key = type(section).LORA_KEY
+            if not section.enabled and getattr(section, key).enabled:
+                raise ValueError(f"policy.{name}_cfg.{key}.enabled: LoRA is set for the {name} backend, but the "
+                                 f"run trains with {self.backend}; set it in {self.lora_key}")
+        return self
 
 
 class AsyncGrpoCfg(Section):
@@ -481,3 +544,9 @@ class RunSpec(Section):
     def batch_size(self) -> int:
         """Trajectories per GRPO step."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+
+    @property
+    def reference_from_service(self) -> bool:
+        """The KL term needs reference logprobs, and the reference service computes them: a LoRA run's
+        learner computes them itself with its adapters off (its reference is the base model)."""
+        return self.loss_fn.reference_policy_kl_penalty > 0 and not self.policy.lora.enabled

@@ -19,36 +19,27 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jinja2 import TemplateError
-from transformers import AutoConfig
 
 from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.grpo.retry import RetryPolicy
 from rlserve.grpo.services import RunServices, ServiceFailure
+from rlserve.learner.lora import LoraMismatch, check_lora
 from rlserve.learner.registry import UnsupportedModel, check_model
-from rlserve.models import get_preset, resolve_model
-from rlserve.models.factory import architecture_config
+from rlserve.models import hf_config, resolve_model
 from rlserve.rollout.deployed import match_generation
 from rlserve.rpc import failed_precondition, invalid_argument, permission_denied
 from rlserve.runs.manager import Admission
 from rlserve.security.paths import PathPolicy
 from rlserve.security.plugins import PluginPolicy
-from rlserve.v1 import reward_pb2
+from rlserve.v1 import reward_pb2, rollout_pb2
 from rlserve.weights.specs import checkpoint_specs, fingerprint
 
 # Prompts whose length the preflight checks (the data set's first ones, and every validation prompt).
 PREFLIGHT_SAMPLE = 2000
 # Services for admission's own calls: (reward endpoint or None, retry policy) -> RunServices.
 Connect = Callable[[str | None, RetryPolicy], RunServices]
-
-
-def model_config(model_name: str):
-    """The HF config of `policy.model_name` without building the model: the folder's config.json, or a
-    preset's architecture (`architecture_config`)."""
-    if model_name.startswith("preset:"):
-        return architecture_config(get_preset(model_name.removeprefix("preset:")))
-    return AutoConfig.from_pretrained(Path(model_name))
 
 
 class GrpoAdmission(Admission):
@@ -64,13 +55,17 @@ class GrpoAdmission(Admission):
         spec = spec.model_copy(deep=True)
         spec.policy.model_name = self.paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
         try:
-            config = await asyncio.to_thread(model_config, spec.policy.model_name)
+            config = await asyncio.to_thread(hf_config, spec.policy.model_name)
         except (OSError, ValueError) as err:
             raise invalid_argument("spec_yaml: policy.model_name", str(err)) from None
         try:
             check_model(spec, config)
         except UnsupportedModel as err:
             raise failed_precondition(str(err)) from None
+        try:
+            await asyncio.to_thread(check_lora, spec, config)
+        except LoraMismatch as err:
+            raise invalid_argument(f"spec_yaml: {err.field}", err.reason) from None
         self._confine_data(spec)
         services = self.connect(None, RetryPolicy(retries=1, timeout_s=30))
         try:
@@ -85,7 +80,22 @@ class GrpoAdmission(Admission):
         if info.max_model_len < spec.policy.max_total_sequence_length:
             raise failed_precondition(f"policy.max_total_sequence_length {spec.policy.max_total_sequence_length}"
                                       f" exceeds the rollout's max_model_len {info.max_model_len}")
+        self._check_lora_serving(spec, info)
         return spec
+
+    @staticmethod
+    def _check_lora_serving(spec: RunSpec, info: rollout_pb2.GetInfoResponse) -> None:
+        """A LoRA run needs a rollout that serves adapters of its rank."""
+        lora, key = spec.policy.lora, spec.policy.lora_key
+        if not lora.enabled:
+            return
+        if not info.lora_enabled:
+            raise failed_precondition(f"{key}.enabled: the rollout service serves without LoRA; an operator can "
+                                      f"set enable_lora (and max_lora_rank) in services.rollout.args of the "
+                                      f"cluster file")
+        if lora.dim > info.max_lora_rank:
+            raise invalid_argument(f"spec_yaml: {key}.dim", f"{lora.dim} exceeds the rollout's max_lora_rank "
+                                   f"{info.max_lora_rank} (services.rollout.args in the cluster file)")
 
     def _check_plugins(self, spec: RunSpec) -> None:
         for i, f in enumerate(spec.reward.functions):
@@ -123,6 +133,9 @@ class GrpoAdmission(Admission):
             if info.architecture_fingerprint != served:
                 raise failed_precondition(f"policy.model_name: {spec.policy.model_name} does not have the "
                                           f"architecture of the model the rollout service serves ({info.model})")
+            if spec.policy.lora.enabled and Path(model).resolve() != Path(info.model).resolve():
+                raise failed_precondition(f"policy.model_name: a LoRA run's adapters apply to the base model the "
+                                          f"rollout serves ({info.model}); {spec.policy.model_name} is another")
             await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
         except ServiceFailure as err:
             raise failed_precondition(f"reward.functions or services: {err}") from None

@@ -138,7 +138,7 @@ async def rollout_groups(services: RunServices, inputs: RunInputs, examples: lis
             reward_errors=[r.error or "the reward service gave no message" for r in results
                            if r.status == reward_pb2.SCORE_STATUS_ERROR],
             mixed_samples=mixed, version_spread=spread))
-    if spec.loss_fn.reference_policy_kl_penalty > 0:
+    if spec.reference_from_service:
         t0 = time.perf_counter()
         ref = await services.reference_logprobs(reference_pb2.LogProbsRequest(
             model_path=str(reference_model), sequences=[

@@ -33,14 +33,19 @@ class WeightSync:
         how = (f"sent directly to {exported.receivers} rollout replicas" if exported.receivers else
                f"loaded by rollout replica {applied.replica_id} from the store")
         failed = f"; {len(exported.failed)} dropped out (catching up from the store)" if exported.failed else ""
+        what = (f"LoRA adapter tensors, {exported.num_bytes / 2**20:.2f} MiB of a "
+                f"{exported.model_bytes / 2**20:.1f} MiB model" if self.inputs.spec.policy.lora.enabled
+                else f"tensors, {exported.num_bytes / 2**20:.1f} MiB")
         self.run.emit(pb.EVENT_KIND_WEIGHT_SYNC, f"version {exported.weight_version} published "
-                      f"({exported.num_tensors} tensors in {exported.num_buckets} buckets, "
-                      f"{exported.num_bytes / 2**20:.1f} MiB) and {how}{failed}",
+                      f"({exported.num_tensors} {what} in {exported.num_buckets} buckets) and {how}{failed}",
                       {"weight_sync/seconds": seconds, "weight_sync/export_s": exported.seconds,
                        "weight_sync/apply_s": applied.apply_seconds, "weight_sync/mib": exported.num_bytes / 2**20,
+                       "weight_sync/model_mib": exported.model_bytes / 2**20,
                        "weight_sync/direct_mib": exported.direct_bytes / 2**20,
                        "weight_sync/store_fetch_mib": applied.num_bytes / 2**20})
         self.progress()
-        return {"timing/weight_sync_s": seconds, "weight_sync/direct_mib": exported.direct_bytes / 2**20,
+        return {"timing/weight_sync_s": seconds, "weight_sync/mib": exported.num_bytes / 2**20,
+                "weight_sync/model_mib": exported.model_bytes / 2**20,
+                "weight_sync/direct_mib": exported.direct_bytes / 2**20,
                 "weight_sync/store_fetch_mib": applied.num_bytes / 2**20,
                 "plumbing/weight_sync_s": seconds - exported.seconds - applied.fetch_seconds - applied.apply_seconds}

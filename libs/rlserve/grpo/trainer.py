@@ -137,7 +137,7 @@ class Trainer:
         advantages = advantage_estimator(spec.grpo.adv_estimator)(rewards[keep])
 
         # 3. Train on the batch.
-        batch = build_batch(trainable, advantages, spec.loss_fn.reference_policy_kl_penalty > 0)
+        batch = build_batch(trainable, advantages, spec.reference_from_service)
         t1 = time.perf_counter()
         result = await self.services.train_step(learner_pb2.TrainStepRequest(
             run_id=self.inputs.run_id, loss_name=spec.loss_fn.name, expected_weight_version=version), batch)

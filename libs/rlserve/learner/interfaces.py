@@ -23,6 +23,7 @@ from rlserve.learner import checkpoint
 from rlserve.models.hf_io import write_hf_folder
 from rlserve.training.batch import TrainBatch
 from rlserve.training.objective import StepObjective
+from rlserve.weights import adapter
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class LearnerBackend(ABC):
     dp_size: int
     dp_rank: int
     _version: int
+    # LoRA: the adapter's PEFT config (`rlserve.learner.lora.adapter_config`); None: every weight trains.
+    adapter_config: dict | None = None
 
     @abstractmethod
     def info(self) -> BackendInfo: ...
@@ -76,6 +79,12 @@ class LearnerBackend(ABC):
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        if objective.reference_missing:
+            if self.adapter_config is None:
+                raise ValueError("the loss needs reference logprobs (loss_fn.reference_policy_kl_penalty > 0) "
+                                 "and the batch carries none")
+            with torch.no_grad():
+                objective.set_reference(self._reference_logprobs(objective))
         grad_norms = self._run_updates(objective)
         if lr is None:
             self.scheduler.step()
@@ -93,14 +102,20 @@ class LearnerBackend(ABC):
         """Forward/backward and one optimizer update per planned minibatch; their grad norms
         (device tensors are fine: they are read after `_finalize`)."""
 
+    def _reference_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
+        """The reference policy's logprobs of every planned micro-batch: a LoRA learner's base model,
+        its adapters off (NeMo-RL and verl do the same; no second model is loaded)."""
+        raise NotImplementedError(f"the {self.name} backend has no LoRA reference pass")
+
     @abstractmethod
     def _finalize(self, objective: StepObjective) -> dict[str, float]:
         """The step's metrics reduced over all ranks; every rank returns the same dict."""
 
     @abstractmethod
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF checkpoint-named full tensors, one at a time. Every rank must exhaust the iterator
-        (gathers are collective); only rank 0 gets the tensors, other ranks get empty placeholders."""
+        """HF checkpoint-named full tensors (with LoRA: the adapter's, PEFT-named), one at a time. Every
+        rank must exhaust the iterator (gathers are collective); only rank 0 gets the tensors, other
+        ranks get empty placeholders."""
 
     def save_checkpoint(self, path: Path) -> None:
         """Model, optimizer, RNG, lr schedule and version, in the layout of `rlserve.learner.checkpoint`."""
@@ -139,8 +154,12 @@ class LearnerBackend(ABC):
         checkpoint.set_rng_state(state)
 
     def save_hf(self, path: Path) -> None:
-        """Write the policy as an HF folder (config, tokenizer, fp32 safetensors) from rank 0."""
+        """Write the policy from rank 0: an HF folder (config, tokenizer, fp32 safetensors), or with LoRA a
+        PEFT adapter folder (`rlserve export --merge` merges it into its base)."""
         tensors = {name: t.contiguous() for name, t in self.export_weights(torch.float32)}
         if dist.get_rank() == 0:
-            write_hf_folder(path, tensors, self.model_path, {"version": self._version})
+            if self.adapter_config is not None:
+                adapter.write_adapter(path, tensors, self.adapter_config)
+            else:
+                write_hf_folder(path, tensors, self.model_path, {"version": self._version})
         dist.barrier()

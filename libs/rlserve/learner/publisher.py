@@ -157,7 +157,8 @@ class Published:
     version: int
     num_buckets: int
     num_tensors: int
-    num_bytes: int  # one copy of the model in the export dtype
+    num_bytes: int  # one copy of what was exported (the model, or with LoRA the adapter) in the export dtype
+    model_bytes: int  # the whole model in the export dtype: what a full-parameter update sends
     seconds: float
     direct_bytes: int  # bytes sent to engines (all of them together; 0: store only)
     receivers: int  # replicas the version was sent to directly
@@ -187,7 +188,10 @@ class Publisher:
         self.source.begin(dtype, copy)
         version = self.backend.version
         direct_bytes, receivers, failed = 0, 0, {}
-        members = self._receivers() if direct and self.source.known is not None else []
+        # An adapter goes through the store only: vLLM loads adapters from a folder (its weight-transfer
+        # API reloads base parameters), and an adapter is small.
+        members = (self._receivers() if direct and self.source.known is not None
+                   and self.backend.adapter_config is None else [])
         if members:
             try:
                 engine = self._ensure_group(members)
@@ -206,10 +210,11 @@ class Publisher:
                 self._group_key = None  # re-form the group next time
         self.source.finish()
         publish_id = ray.get(self.store.publish.remote(run_id, version, refs, copy.num_tensors, copy.num_bytes,
-                                                       in_flight))
+                                                       in_flight, adapter_config=self.backend.adapter_config))
         ray.get(self.fleet.announce.remote(publish_id, version))
-        return Published(version, copy.num_buckets, copy.num_tensors, copy.num_bytes, time.perf_counter() - t0,
-                         direct_bytes, receivers, failed)
+        model_bytes = self.backend.info().num_parameters * (dtype or torch.float32).itemsize
+        return Published(version, copy.num_buckets, copy.num_tensors, copy.num_bytes, model_bytes,
+                         time.perf_counter() - t0, direct_bytes, receivers, failed)
 
     def _receivers(self) -> list[Member]:
         generation, members = ray.get(self.fleet.members.remote())

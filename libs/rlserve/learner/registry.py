@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class BackendEntry:
-    # "module:Class" of the LearnerBackend, built as Class(spec, model_path, device).
+    # "module:Class" of the LearnerBackend, built as Class(spec, model_path, device, init_adapter).
     backend: str
     # "module:function" (spec, hf_config) -> None that raises UnsupportedModel for a model the
     # backend cannot train as the spec configures it; the backend obeys the same reasons.
@@ -52,9 +52,12 @@ def check_model(spec: RunSpec, hf_config: Any) -> None:
     import_object(BACKENDS[spec.policy.backend].check_model)(spec, hf_config)
 
 
-def make_backend(spec: RunSpec, model_path: Path, device: torch.device) -> LearnerBackend:
+def make_backend(spec: RunSpec, model_path: Path, device: torch.device,
+                 init_adapter: Path | None = None) -> LearnerBackend:
+    """The spec's backend on `model_path`; with LoRA, its adapters start from `init_adapter` when given
+    (a PEFT folder, e.g. the run's SFT warm start), else fresh (B = 0)."""
     from transformers import AutoConfig
 
     entry = BACKENDS[spec.policy.backend]
     check_model(spec, AutoConfig.from_pretrained(model_path))
-    return import_object(entry.backend)(spec, model_path, device)
+    return import_object(entry.backend)(spec, model_path, device, init_adapter)

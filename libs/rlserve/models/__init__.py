@@ -10,11 +10,23 @@ from pathlib import Path
 
 from rlserve.models.presets import PRESETS, ModelPreset, get_preset
 
-__all__ = ["PRESETS", "ModelPreset", "get_preset", "resolve_model", "model_cache_dir"]
+__all__ = ["PRESETS", "ModelPreset", "get_preset", "hf_config", "model_cache_dir", "resolve_model"]
 
 
 def model_cache_dir() -> Path:
     return Path(os.environ.get("RLSERVE_MODEL_CACHE", Path.home() / ".cache" / "rlserve" / "models"))
+
+
+def hf_config(model_name: str):
+    """The HF config of `policy.model_name` without building the model: the folder's config.json, or a
+    preset's architecture (without generating it)."""
+    if model_name.startswith("preset:"):
+        from rlserve.models.factory import architecture_config
+
+        return architecture_config(get_preset(model_name.removeprefix("preset:")))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(model_name))
 
 
 def resolve_model(model_name: str, seed: int = 0) -> Path:

@@ -7,8 +7,8 @@ import logging
 import time
 
 from rlserve.logs import event
-from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.config import BadFunction, RewardFunctionCfg
+from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.loader import CombinedReward
 from rlserve.rpc import invalid_argument
 from rlserve.security.plugins import PluginPolicy

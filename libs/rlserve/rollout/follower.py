@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine
 from rlserve.rpc import RpcError, failed_precondition, invalid_argument, unavailable
+from rlserve.weights import adapter
 from rlserve.weights.fleet import PUBLISHED, Command, Member
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
 from rlserve.weights.store import Publication
@@ -39,6 +41,8 @@ from rlserve.weights.store import Publication
 log = logging.getLogger("rlserve.rollout")
 # How long one long poll of the mailbox waits (a member polls again at once; see fleet.MEMBER_LEASE_S).
 POLL_S = 5.0
+# Where adapters are written for the engine to read (memory-backed where there is one).
+_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 TOKEN_BYTES = 256 * 1024
 
 
@@ -214,19 +218,27 @@ class WeightFollower:
             return await self._apply(pub, in_flight)
 
     async def publish_folder(self, path: Path, version: int, force: bool, in_flight: bool) -> None:
-        """Publish a folder of HF-named safetensors (checked first), so that every replica moves to it."""
+        """Publish a folder of HF-named safetensors, or a PEFT adapter for the served base model (checked
+        first), so that every replica moves to it."""
         if not any(path.glob("*.safetensors")):
             raise invalid_argument("safetensors_path", f"{path}: no *.safetensors files")
         if version <= self.version and not force:
             raise invalid_argument("version", f"{version} is not newer than the served {self.version} "
                                               f"(set force to load it anyway)")
-        problems = check_update(self.specs, checkpoint_specs(path))
+        config = adapter.read_adapter(path)[1] if adapter.is_adapter_folder(path) else None
+        problems = self._check(checkpoint_specs(path), config)
         if problems:
             raise invalid_argument("safetensors_path", "; ".join(problems[:5]))
         num_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         publish_id = await self.store.publish.remote(self.run_id, version, [], len(self.specs), num_bytes,
-                                                     in_flight, str(path))
+                                                     in_flight, str(path), config)
         await self.fleet.announce.remote(publish_id, version)
+
+    def _check(self, got: dict[str, TensorSpec], adapter_config: dict | None) -> list[str]:
+        """Problems of an update for the served model: its weights, or an adapter on it."""
+        if adapter_config is not None:
+            return adapter.check_adapter(self.specs, got, adapter_config)
+        return check_update(self.specs, got)
 
     async def _apply(self, pub: Publication, in_flight: bool) -> Applied:
         """Fetch, validate, then load one publication (the caller holds `_loading`)."""
@@ -237,15 +249,12 @@ class WeightFollower:
         else:
             tensors = await self._fetch(pub)
             got = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in tensors.items()}
-        problems = check_update(self.specs, got)
+        problems = self._check(got, pub.adapter_config)
         if problems:
             raise invalid_argument("weights", "; ".join(problems[:5]))
         t1 = time.perf_counter()
         try:
-            if tensors is None:
-                await self.engine.load_weights_from_path(Path(pub.safetensors_path), pub.version, in_flight)
-            else:
-                await self.engine.load_weights(list(tensors.items()), pub.version, in_flight)
+            await self._load(pub, tensors, in_flight)
         except ValueError as err:
             raise failed_precondition(str(err)) from None
         t2 = time.perf_counter()
@@ -253,6 +262,19 @@ class WeightFollower:
         event(log, "rollout.weights_applied", replica=self.replica_id, run=pub.run_id or None,
               version=pub.version, source="store", tensors=len(got), fetch_s=t1 - t0, apply_s=t2 - t1)
         return Applied(pub.version, len(got), pub.num_bytes, t1 - t0, t2 - t1)
+
+    async def _load(self, pub: Publication, tensors: dict[str, torch.Tensor] | None, in_flight: bool) -> None:
+        if pub.adapter_config is not None:
+            # The engine reads adapters from a folder it then owns (memory-backed where there is /dev/shm).
+            folder = Path(tempfile.mkdtemp(prefix="rlserve-adapter-", dir=_SHM))
+            if tensors is None:
+                tensors = adapter.read_adapter(Path(pub.safetensors_path))[0]
+            await asyncio.to_thread(adapter.write_adapter, folder, tensors, pub.adapter_config)
+            await self.engine.load_adapter(folder, pub.version, in_flight)
+        elif tensors is None:
+            await self.engine.load_weights_from_path(Path(pub.safetensors_path), pub.version, in_flight)
+        else:
+            await self.engine.load_weights(list(tensors.items()), pub.version, in_flight)
 
     @staticmethod
     async def _fetch(pub: Publication) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
 from rlserve.rollout.interfaces import BatchEngine, EngineConfig, EngineInfo, GeneratedSample, SamplingSpec
+from rlserve.weights import adapter
 
 
 class TransformersEngine(BatchEngine):
@@ -39,6 +40,8 @@ class TransformersEngine(BatchEngine):
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self._served_adapter: tuple[int, list[str]] | None = None  # (rank, targets) of the adapter layers added
+        self._base_replaced = False  # a full-weight update replaced the deployed base
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
@@ -89,6 +92,28 @@ class TransformersEngine(BatchEngine):
                     return GeneratedSample(ids[:k + 1], lps[:k + 1], "stop", text[: text.index(hit[0])])
         return GeneratedSample(ids, lps, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def load_adapter(self, folder: Path) -> None:
+        """peft's LoRA layers, added at the first adapter and refilled by every later one."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        if not self.cfg.enable_lora:
+            raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
+        tensors, config = adapter.read_adapter(folder)
+        if self._base_replaced:  # an earlier full-parameter run's weights: the deployed base first
+            self._load_base()
+        if self._served_adapter is None:
+            inject_adapter_in_model(LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"],
+                                               target_modules=config["target_modules"], bias="none"), self.model)
+            self._served_adapter = (config["r"], sorted(config["target_modules"]))
+        elif self._served_adapter != (config["r"], sorted(config["target_modules"])):
+            raise ValueError(f"an adapter of rank {config['r']} on {config['target_modules']}: this engine "
+                             f"serves rank {self._served_adapter[0]} on {self._served_adapter[1]}")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                params[adapter.param_name(name)].copy_(tensor)
+        self.model.eval()
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._load_checkpoint_state(dict(named_tensors))
 
@@ -99,8 +124,17 @@ class TransformersEngine(BatchEngine):
         self._load_checkpoint_state(state)
 
     def _load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included)."""
+        """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included); a
+        model that carries adapters (an earlier LoRA run's) is rebuilt without them first."""
+        if self._served_adapter is not None:
+            self._load_base()
         load_from_checkpoint(self.model, state)
+        self._base_replaced = True
+
+    def _load_base(self) -> None:
+        """The deployed model as it was started, without adapters."""
+        self.model = load_causal_lm(self.cfg.model_path, torch_dtype(self.cfg.dtype)).to(self.device).eval()
+        self._served_adapter, self._base_replaced = None, False
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

@@ -59,6 +59,11 @@ class EngineSettings(BaseModel):
     # them); empty: vLLM's automatic binding. Give the learner other cores (`services.learner.cpu_cores`)
     # so generation and training overlap instead of contending.
     cpu_cores: tuple[Annotated[int, Field(ge=0)], ...] = Field((), max_length=4096)
+    # LoRA runs: the deployed model is the base and each run's adapter is served on it (vLLM's
+    # enable_lora, max_loras adapters at once, of rank at most max_lora_rank).
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1, le=1024)
+    max_lora_rank: int = Field(64, ge=1, le=1024)
 
 
 class EngineConfig(EngineSettings):
@@ -154,6 +159,12 @@ class RolloutEngine(ABC):
     async def load_weights_from_path(self, path: Path, version: int, in_flight: bool) -> None:
         """`load_weights` from a folder of HF-named *.safetensors (already validated)."""
 
+    async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
+        """Serve the PEFT adapter in `folder` (already validated) on the base model from now on, as
+        weight version `version` (replacing the adapter served before; `in_flight` as for weights).
+        The engine owns `folder` from then on and removes it once it no longer reads it."""
+        raise NotImplementedError(f"the {self.name} engine serves without LoRA (enable_lora in its args)")
+
     # vLLM's weight-transfer API, for engines with a `transfer_backend` (the learner drives the calls).
     async def init_weight_transfer(self, init_info: dict) -> None:
         raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
@@ -200,6 +211,10 @@ class BatchEngine(ABC):
     @abstractmethod
     def load_weights_from_path(self, path: Path) -> None:
         """Replace weights in place from a folder of HF-named *.safetensors (already validated)."""
+
+    def load_adapter(self, folder: Path) -> None:
+        """Generate with the PEFT adapter in `folder` on the base model from now on (already validated)."""
+        raise NotImplementedError(f"the {self.name} engine serves without LoRA (enable_lora in its args)")
 
     @abstractmethod
     def info(self) -> EngineInfo: ...

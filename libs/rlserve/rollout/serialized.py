@@ -11,6 +11,7 @@ transformers engine's simple path; vLLM's engine serves concurrently instead.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,6 +61,14 @@ class Serialized(RolloutEngine):
     async def load_weights_from_path(self, path: Path, version: int, in_flight: bool) -> None:
         async with self._lock:
             await in_thread_to_the_end(self.engine.load_weights_from_path, path)
+            self._version = version
+
+    async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
+        async with self._lock:
+            try:
+                await in_thread_to_the_end(self.engine.load_adapter, folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)  # read whole: the engine keeps its tensors
             self._version = version
 
     def stats(self) -> EngineStats:

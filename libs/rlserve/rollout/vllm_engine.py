@@ -64,6 +64,8 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # receive, so the engine must be paused from start_weight_update on.
 _STAGED_TRANSFER = {"gloo"}
 _WORKER_EXTENSION = "rlserve.rollout.vllm_worker.RlserveWorkerExtension"
+# The one LoRA adapter served at a time (a run's), replaced in place by every new version.
+_ADAPTER_NAME = "rlserve-adapter"
 # Where weights from the weight store are written for the engine process to read (memory-backed).
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 
@@ -111,6 +113,11 @@ class VllmEngine(RolloutEngine):
         self._paused = False
         self._serving = asyncio.Event()  # cleared while a rebuild replaces the engine
         self._serving.set()
+        # The adapter served on the base model (LoRA runs), and the folders of it vLLM may still read.
+        self._lora = None
+        self._adapter_folders: list[Path] = []
+        # A full-weight update replaced the deployed base (a LoRA run's adapter needs it back first).
+        self._base_replaced = False
 
     def _start(self, model: Path):
         cores = () if torch.cuda.is_available() else self.cfg.cpu_cores
@@ -149,6 +156,8 @@ class VllmEngine(RolloutEngine):
             # the replica per-step work for every request.
             disable_log_stats=True,
             weight_transfer_config=WeightTransferConfig(backend=self.transfer_backend) if self.transfer_backend else None,
+            **({"enable_lora": True, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank}
+               if cfg.enable_lora else {}),
         ))
 
     @property
@@ -194,7 +203,8 @@ class VllmEngine(RolloutEngine):
             # Cached prefixes are keyed by the weights that computed them: a kept KV cache
             # (`in_flight_kv_cache: keep`) never serves a later request old weights' blocks.
             prompt = {"prompt_token_ids": ids, "cache_salt": f"weights-{self._version}"}
-            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex):
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex,
+                                               lora_request=self._lora):
                 final = out
         finally:
             self._activity.request_finished()
@@ -251,10 +261,45 @@ class VllmEngine(RolloutEngine):
             await self._pause(in_flight)
             try:
                 await self.llm.collective_rpc("rlserve_reload_weights", kwargs={"weights_path": str(path)})
+                self._full_weights_loaded()
                 await self.llm.update_weight_version(str(version))
                 await self._switched(version, in_flight)
             finally:
                 await self._resume()
+
+    def _full_weights_loaded(self) -> None:
+        """A run's full weights replaced the base: no adapter applies on them."""
+        self._base_replaced, self._lora = True, None
+
+    async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
+        """The adapter replaces the one served, in place (one LoRA slot, reloaded): the same sequence as a
+        weight update (pause, load, stamp the version, reset the prefix cache, resume), so a sample's
+        tokens are labelled with the adapter versions that produced them."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.cfg.enable_lora:
+            raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
+        if self.reload_mode == "rebuild":
+            raise ValueError("this rollout rebuilds its engine for every update; it serves no LoRA adapters")
+        async with self._updating:
+            await self._pause(in_flight)
+            try:
+                if self._base_replaced:  # an earlier full-parameter run's weights: the deployed base first
+                    await self.llm.collective_rpc("rlserve_reload_weights",
+                                                  kwargs={"weights_path": str(self.cfg.model_path)})
+                    self._base_replaced = False
+                request = LoRARequest(_ADAPTER_NAME, 1, str(folder), load_inplace=True)
+                if not await self.llm.add_lora(request):
+                    raise RuntimeError(f"vLLM did not load the adapter in {folder}")
+                self._lora = LoRARequest(_ADAPTER_NAME, 1, str(folder))
+                await self.llm.update_weight_version(str(version))
+                await self._switched(version, in_flight)
+            finally:
+                await self._resume()
+        # vLLM reads a request's adapter folder again only if it evicted the adapter; keep the served one.
+        self._adapter_folders.append(folder)
+        while len(self._adapter_folders) > 2:
+            shutil.rmtree(self._adapter_folders.pop(0), ignore_errors=True)
 
     async def _rebuild(self, weights: Path, version: int) -> None:
         """Replace the engine by one started on `weights`; running requests finish on the old one first,
@@ -316,6 +361,7 @@ class VllmEngine(RolloutEngine):
             except BaseException:
                 await self.llm.collective_rpc("rlserve_abort_weight_update")
                 raise
+            self._full_weights_loaded()
             await self._switched(version, in_flight)
         finally:
             await self._resume()
@@ -344,5 +390,7 @@ class VllmEngine(RolloutEngine):
 
     async def close(self) -> None:
         self.llm.shutdown()
+        for folder in self._adapter_folders:
+            shutil.rmtree(folder, ignore_errors=True)
         if self._rebuilt_from is not None:
             shutil.rmtree(self._rebuilt_from, ignore_errors=True)

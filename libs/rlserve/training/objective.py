@@ -12,6 +12,8 @@ loss by name.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -42,7 +44,16 @@ class StepObjective:
         self.total_tokens = int(batch.seq_lens.sum())
         # With one update per step the starting policy is the one being trained (prev = curr, detached).
         self.needs_prev_logprobs = self.loss.needs_prev_logprobs and len(minibatches) > 1
+        # The loss needs the reference policy's logprobs and the batch brings none: a LoRA learner
+        # computes them itself, with its adapters off (`set_reference`).
+        self.reference_missing = self.loss.needs_reference_logprobs and batch.ref_logprobs is None
         self._sums: list[dict[str, torch.Tensor]] = []
+
+    def set_reference(self, logprobs: list[list[torch.Tensor]]) -> None:
+        """Reference logprobs per planned micro-batch ([minibatch][micro-batch], as `plans`)."""
+        self.plans = [[replace(mb, ref_logprobs=lp) for mb, lp in zip(plan, lps)]
+                      for plan, lps in zip(self.plans, logprobs)]
+        self.reference_missing = False
 
     def micro_batch_loss(self, k: int, mb: MicroBatch, curr: torch.Tensor, prev: torch.Tensor | None,
                          entropy: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,6 +38,9 @@ class Publication:
     safetensors_path: str | None = None
     # Held inside a list so that Ray hands over the refs instead of resolving them.
     bucket_refs: list[Any] = field(default_factory=list)
+    # A LoRA adapter's PEFT config when the tensors are an adapter for the deployed base model
+    # (`rlserve.weights.adapter`); None: the model's own weights.
+    adapter_config: dict | None = None
 
 
 @ray.remote(num_cpus=0)
@@ -46,11 +49,12 @@ class WeightStore:
         self._head: Publication | None = None
 
     async def publish(self, run_id: str, version: int, bucket_refs: list[Any], num_tensors: int, num_bytes: int,
-                      in_flight: bool, safetensors_path: str | None = None) -> int:
+                      in_flight: bool, safetensors_path: str | None = None, adapter_config: dict | None = None
+                      ) -> int:
         """Make a version the newest (its previous one is released); returns its publish id."""
         publish_id = (self._head.publish_id if self._head else 0) + 1
         self._head = Publication(publish_id, run_id, version, num_tensors, num_bytes, in_flight, safetensors_path,
-                                 list(bucket_refs))
+                                 list(bucket_refs), adapter_config)
         return publish_id
 
     async def head(self) -> tuple[int, str, int] | None:

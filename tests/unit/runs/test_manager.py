@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from rlserve.rpc import RpcError, invalid_argument
-from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.runs.manager import Admission, RunManager
 from rlserve.runs.record import TERMINAL
+from rlserve.v1 import coordinator_pb2 as pb
 
 SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2}, "logger": {"tensorboard_enabled": False}})
 

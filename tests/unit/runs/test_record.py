@@ -11,11 +11,11 @@ import pytest
 
 from rlserve.config import spec_to_yaml
 from rlserve.config.spec import RunSpec
-from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.runs.ledger import Ledger
 from rlserve.runs.manager import Admission, RunManager
 from rlserve.runs.record import Run
 from rlserve.runs.recorder import Recorder
+from rlserve.v1 import coordinator_pb2 as pb
 
 
 def test_rewind_drops_what_came_after_the_checkpoint_and_keeps_its_buffer_in_flight():

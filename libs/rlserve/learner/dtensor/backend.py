@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from rlserve.config.spec import RunSpec
 from rlserve.dtypes import torch_dtype
+from rlserve.learner import lora
 from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
@@ -23,6 +24,7 @@ from rlserve.training.batch import MicroBatch
 from rlserve.training.forward import gather_logprobs
 from rlserve.training.objective import StepObjective
 from rlserve.training.schedule import lr_factor
+from rlserve.weights import adapter
 from rlserve.weights.specs import checkpoint_specs
 
 
@@ -60,7 +62,7 @@ class PolicyLogprobs(nn.Module):
 class DTensorBackend(LearnerBackend):
     name = "dtensor"
 
-    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
+    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device, init_adapter: Path | None = None):
         from transformers import AutoConfig
 
         self.spec, self.model_path, self.device = spec, Path(model_path), device
@@ -79,13 +81,27 @@ class DTensorBackend(LearnerBackend):
         self.pad_id = lm.config.pad_token_id or 0
         self.num_parameters = sum(p.numel() for p in lm.parameters())
         self.export_names = set(checkpoint_specs(self.model_path))
+        self.adapter_config = None
+        if spec.policy.lora.enabled:
+            targets = lora.target_modules(spec.policy.lora, lora.decoder_linears(lm), spec.policy.lora_key)
+            lora.inject(lm, spec.policy.lora, targets)
+            self.adapter_config = lora.adapter_config(spec.policy.lora, targets, str(self.model_path))
+            # The frozen base is kept in the learner's precision; the adapters in fp32 (mixed precision
+            # casts them for compute).
+            for name, param in lm.named_parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(self.param_dtype)
         lm.to(device)
         self.model = PolicyLogprobs(lm, maskless=self.attention_fallback is None)
         parallelize(self.model, lm, self.mesh, cfg, self.param_dtype)
         self.accumulate_unsharded = self.dims.dp == 1 and not cfg.cpu_offload
+        if init_adapter is not None:
+            self._load_adapter(init_adapter)
 
         opt = spec.policy.optimizer.kwargs
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+        # Only what trains reaches the optimizer: with LoRA its state is adapter-sized.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay, foreach=True)
         sched, total = spec.policy.scheduler, spec.grpo.max_num_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, total))
@@ -96,7 +112,9 @@ class DTensorBackend(LearnerBackend):
     def info(self) -> BackendInfo:
         attention = (f"transformers attention ({self.attention_fallback})" if self.attention_fallback
                      else "maskless packed attention")
-        return BackendInfo(self.name, self.dims.world_size, f"{self.dims.describe()}; {attention}",
+        adapters = (f"; LoRA r={self.adapter_config['r']} on {','.join(self.adapter_config['target_modules'])}, "
+                    f"{sum(p.numel() for p in self.trainable) / 1e6:.2f}M trainable" if self.adapter_config else "")
+        return BackendInfo(self.name, self.dims.world_size, f"{self.dims.describe()}; {attention}{adapters}",
                            self.num_parameters, str(self.device))
 
     def _run_updates(self, objective: StepObjective) -> list[torch.Tensor]:
@@ -127,12 +145,29 @@ class DTensorBackend(LearnerBackend):
         """Logprobs under the weights at the start of the step, for steps of several optimizer updates."""
         return [[self.model(mb.to(self.device), with_entropy=False)[0] for mb in plan] for plan in objective.plans]
 
+    def _reference_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
+        with lora.adapters_off(self.model):
+            return [[self.model(mb.to(self.device), with_entropy=False)[0] for mb in plan] for plan in objective.plans]
+
+    def _load_adapter(self, folder: Path) -> None:
+        """Start from a trained adapter (a LoRA run's SFT warm start): its tensors into the adapter parameters."""
+        if self.adapter_config is None:
+            raise ValueError(f"{folder} is a LoRA adapter, and this run trains without LoRA")
+        tensors, config = adapter.read_adapter(folder)
+        if (config.get("r"), sorted(config.get("target_modules", []))) != (
+                self.adapter_config["r"], sorted(self.adapter_config["target_modules"])):
+            raise ValueError(f"{folder}: an adapter of rank {config.get('r')} on {config.get('target_modules')}, "
+                             f"not this run's rank {self.adapter_config['r']} on {self.adapter_config['target_modules']}")
+        weights.load_adapter(self.model, {adapter.param_name(n): t for n, t in tensors.items()})
+
     def _clip_and_step(self) -> torch.Tensor:
-        norm = clip_grad_norm(list(self.model.parameters()), self.spec.policy.max_grad_norm)
+        norm = clip_grad_norm(self.trainable, self.spec.policy.max_grad_norm)
         self.optimizer.step()
         return norm
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.adapter_config is not None:
+            return weights.export_adapter(self.model, dtype)
         return weights.export_weights(self.model, self.model.lm, self.export_names,
                                       self.model.lm.config.tie_word_embeddings, dtype)
 

@@ -42,7 +42,9 @@ _SPLIT_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def _has(module: nn.Module, names: tuple[str, ...]) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+    """Every projection is a Linear (or peft's LoRA layer around one)."""
+    return all(isinstance(getattr(getattr(module, n, None), "base_layer", getattr(module, n, None)), nn.Linear)
+               for n in names)
 
 
 def replicated_blocks(lm: nn.Module) -> list[str]:
@@ -76,6 +78,31 @@ def _head_norm_plan(attn: nn.Module) -> dict:
     """
     return {f"self_attn.{name}": SequenceParallel(sequence_dim=1, use_local_output=True)
             for name, _ in attn.named_children() if name.endswith("norm")}
+
+
+def _projections(layer: nn.Module, styles: dict[str, str], row: dict) -> dict:
+    """The TP plan of split projections ("col" or "row"), LoRA-adapted ones included.
+
+    An adapted projection (peft's LoRA layer) keeps its base layer's style; of its adapter
+    x -> B A x, the factor on the split dim is split like the layer and the other stays whole on
+    every rank: column-wise, B is split by output rows and A (r x in) is whole, its input and
+    output equal on every rank (the gradient of A's output arrives summed over ranks, from B's
+    column-wise input); row-wise, A is split by input columns (its r outputs summed over ranks)
+    and B (out x r) is whole.
+    """
+    plan = {}
+    for path, kind in styles.items():
+        module = layer.get_submodule(path)
+        style = ColwiseParallel() if kind == "col" else RowwiseParallel(**row)
+        if not hasattr(module, "base_layer"):
+            plan[path] = style
+            continue
+        plan[f"{path}.base_layer"] = style
+        if kind == "col":
+            plan[f"{path}.lora_B.default"] = ColwiseParallel()
+        else:
+            plan[f"{path}.lora_A.default"] = RowwiseParallel()
+    return plan
 
 
 def _block_plan(name: str, split: bool, projections: dict, sequence_parallel: bool, seq) -> dict:
@@ -118,13 +145,14 @@ def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
     out_layout = seq if sequence_parallel else Replicate()
     for layer in decoder_layers(lm):
         row = {"output_layouts": out_layout, "use_local_output": not sequence_parallel}
-        attention = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**row)}
+        attention = _projections(layer, {"self_attn.q_proj": "col", "self_attn.k_proj": "col",
+                                         "self_attn.v_proj": "col", "self_attn.o_proj": "row"}, row) \
+            if "self_attn" not in whole else {}
         attention.update(_head_norm_plan(layer.self_attn))
         plan = _block_plan("self_attn", "self_attn" not in whole, attention, sequence_parallel, seq)
-        plan.update(_block_plan("mlp", "mlp" not in whole, {
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(**row)}, sequence_parallel, seq))
+        mlp = _projections(layer, {"mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"}, row) \
+            if "mlp" not in whole else {}
+        plan.update(_block_plan("mlp", "mlp" not in whole, mlp, sequence_parallel, seq))
         if sequence_parallel:
             plan.update({name: SequenceParallel() for name, child in layer.named_children()
                          if name.endswith("norm")})

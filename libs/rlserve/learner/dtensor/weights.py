@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlserve.models.checkpoint_layout import to_checkpoint
+from rlserve.weights import adapter
 from rlserve.weights.buckets import to_host
 
 
@@ -42,3 +43,29 @@ def export_weights(model: nn.Module, lm: nn.Module, export_names: set[str], tied
             raise ValueError(f"{name}: exports as {unknown[:4]}, not in the model's checkpoint layout")
         for part, tensor in parts.items():
             yield part, to_host(tensor, dtype) if rank0 else torch.empty(0)
+
+
+def export_adapter(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA run's adapter tensors, PEFT-named (the base never changes, so it never travels)."""
+    rank0 = dist.get_rank() == 0
+    for name, param in model.named_parameters():
+        if not adapter.is_adapter_param(name):
+            continue
+        full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        yield adapter.peft_name(hf_name(name)), to_host(full, dtype) if rank0 else torch.empty(0)
+
+
+def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Full adapter tensors (parameter names without the wrapper prefixes) into the sharded parameters."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = {hf_name(n): p for n, p in model.named_parameters() if adapter.is_adapter_param(n)}
+    if set(params) != set(tensors):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise ValueError(f"the adapter does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            value = tensors[name].to(param.dtype)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements)
+            param.copy_(value)

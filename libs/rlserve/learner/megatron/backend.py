@@ -122,7 +122,7 @@ class LrSchedule:
 class MegatronBackend(LearnerBackend):
     name = "megatron"
 
-    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device):
+    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device, init_adapter: Path | None = None):
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlserve.config.spec import RunSpec
-from rlserve.learner.registry import UnsupportedModel
 from rlserve.learner.megatron.hf_map import SUPPORTED_MODEL_TYPES
+from rlserve.learner.registry import UnsupportedModel
 from rlserve.models.architecture import OutputLogits, num_experts
 
 ALTERNATIVE = "train it with the dtensor backend (policy.dtensor_cfg.enabled: true, the default)"
@@ -130,6 +130,9 @@ def check_supported(hf_config, max_sequence_length: int | None = None) -> None:
 
 def check_model(spec: RunSpec, hf_config) -> None:
     """Raise UnsupportedModel (naming `policy.megatron_cfg` and the alternative) if the backend cannot train it."""
+    if spec.policy.megatron_cfg.peft.enabled:
+        raise UnsupportedModel("policy.megatron_cfg.peft", "LoRA trains on the dtensor backend only for now "
+                               "(policy.dtensor_cfg.lora_cfg)")
     reasons = unsupported_reasons(hf_config, spec.policy.max_total_sequence_length)
     if reasons:
         raise UnsupportedModel("policy.megatron_cfg", _refusal(hf_config, reasons))

@@ -1,0 +1,120 @@
+"""LoRA in the rollout engines: after two adapter updates, the logprobs vLLM's CPU build and the
+transformers engine sample with equal teacher-forced logprobs of the base model with that adapter
+(through peft) and differ from the base's; full weights and adapters take turns on one engine (a
+full-parameter run and a LoRA run after each other), each exact."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlserve.models import resolve_model
+from rlserve.rollout import make_engine
+from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
+from tests.support.aio import LoopThread
+from tests.support.batches import completion_logprobs
+
+PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7], [30, 31, 32]]
+SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5)
+RANK = 8
+
+
+def random_adapter(folder: Path, seed: int) -> Path:
+    """A PEFT adapter on the tiny model with random A and B (a trained one's B is not zero either)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(resolve_model("preset:tiny"), dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+def peft_logprobs(adapter: Path | None, prompts: list[list[int]], out) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("preset:tiny"), dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    seqs = [p + s.token_ids for p, ss in zip(prompts, out) for s in ss]
+    return completion_logprobs(model, seqs, [len(p) for p, ss in zip(prompts, out) for _ in ss])
+
+
+@pytest.fixture(scope="module")
+def loop():
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return random_adapter(root / "one", 1), random_adapter(root / "two", 2)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_samples_under_the_newest_adapter_match_peft(engine, loop, adapters, tmp_path):
+    cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16)
+
+    async def run():
+        eng = make_engine(engine, cfg)
+        try:
+            base = await eng.generate(PROMPTS, 2, SAMPLING)
+            for version, folder in enumerate(adapters, start=1):
+                # The engine owns the folder it is given.
+                await eng.load_adapter(Path(shutil.copytree(folder, tmp_path / f"v{version}")), version, False)
+            return base, await eng.generate(PROMPTS, 2, SAMPLING), eng.version
+        finally:
+            await eng.close()
+
+    base, tuned, version = loop.run(run())
+    assert version == 2 and all(r.version == 2 for ss in tuned for s in ss for r in s.version_runs)
+    got = torch.tensor([x for ss in tuned for s in ss for x in s.logprobs])
+    torch.testing.assert_close(got, peft_logprobs(adapters[1], PROMPTS, tuned), atol=1e-4, rtol=0)
+    assert (got - peft_logprobs(None, PROMPTS, tuned)).abs().max() > 1e-2  # the adapter changes the policy
+    got_base = torch.tensor([x for ss in base for s in ss for x in s.logprobs])
+    torch.testing.assert_close(got_base, peft_logprobs(None, PROMPTS, base), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapters, tmp_path):
+    """A full-parameter run after a LoRA run gets its weights without the adapter; a LoRA run after a
+    full-parameter run gets its adapter on the deployed base, not on the other run's weights."""
+    from rlserve.models.factory import make_model
+    from rlserve.models.presets import get_preset
+
+    other = make_model(get_preset("tiny"), tmp_path / "other", seed=99)
+    cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16)
+
+    async def run():
+        eng = make_engine(engine, cfg)
+        try:
+            await eng.load_adapter(Path(shutil.copytree(adapters[0], tmp_path / "a1")), 1, False)
+            await eng.load_weights(list(load_file(other / "model.safetensors").items()), 2, False)
+            full = await eng.generate(PROMPTS, 2, SAMPLING)
+            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a2")), 3, False)
+            return full, await eng.generate(PROMPTS, 2, SAMPLING)
+        finally:
+            await eng.close()
+
+    full, tuned = loop.run(run())
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    seqs = [p + s.token_ids for p, ss in zip(PROMPTS, full) for s in ss]
+    want = completion_logprobs(model, seqs, [len(p) for p, ss in zip(PROMPTS, full) for _ in ss])
+    torch.testing.assert_close(torch.tensor([x for ss in full for s in ss for x in s.logprobs]), want,
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor([x for ss in tuned for s in ss for x in s.logprobs]),
+                               peft_logprobs(adapters[1], PROMPTS, tuned), atol=1e-4, rtol=0)
