@@ -82,7 +82,8 @@ def model_flops(path: Path, lengths: list[int]) -> float:
     return sum(6 * params * n + 12 * config.num_hidden_layers * config.hidden_size * n * n for n in lengths)
 
 
-def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_len: int):
+def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_len: int,
+             activation_checkpointing: bool = False):
     from rlserve.config import parse_spec
 
     packing = {"enabled": layout.startswith("packed"), "train_mb_tokens": pack_tokens}
@@ -93,18 +94,20 @@ def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_
               "sequence_packing": packing}
     if backend == "megatron":
         policy["megatron_cfg"] = {"enabled": True}
+    if backend.startswith("dtensor"):
+        policy["dtensor_cfg"] = {"activation_checkpointing": activation_checkpointing}
     if backend == "dtensor-lora":
-        policy["dtensor_cfg"] = {"lora_cfg": {"enabled": True, "dim": 32}}
+        policy["dtensor_cfg"]["lora_cfg"] = {"enabled": True, "dim": 32}
     return parse_spec({"policy": policy, "cluster": {"device": "cuda"},
                        "loss_fn": {"reference_policy_kl_penalty": 0.01, "use_importance_sampling_correction": True}})
 
 
 def backend_step(name: str, path: Path, batch: TrainBatch, layout: str, micro_batch: int, pack_tokens: int,
-                 max_len: int) -> tuple[Callable[[], None], str, dict]:
+                 max_len: int, activation_checkpointing: bool) -> tuple[Callable[[], None], str, dict]:
     from rlserve.learner import make_backend
     from rlserve.training.objective import StepObjective
 
-    spec = spec_for(name, layout, micro_batch, pack_tokens, max_len)
+    spec = spec_for(name, layout, micro_batch, pack_tokens, max_len, activation_checkpointing)
     backend = make_backend(spec, path, torch.device("cuda", 0))
     plan = StepObjective(spec, batch, "grpo", 1, 0, backend.pad_id).plans
     shape = {"micro_batches": sum(len(p) for p in plan),
@@ -198,6 +201,8 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["plain:padded", "dtensor:padded", "dtensor:packed",
                                                       "dtensor:fixed", "megatron:padded", "megatron:packed",
                                                       "megatron:fixed"])
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="the dtensor backend's activation checkpointing, for every dtensor run")
     parser.add_argument("--logprob-memory", type=int, default=0, help="rows for the logprob memory check (0: skip)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -220,7 +225,8 @@ def main() -> None:
                                      f"clipped to 16..{args.max_len - args.prompt}",
               "lengths": {"mean": real / len(lengths), "max": max(lengths), "min": min(lengths), "total": real},
               "micro_batch": args.micro_batch, "pack_tokens": args.pack_tokens, "fixed_seq": args.fixed_seq,
-              "steps": args.steps, "matmul_bf16_tflops": peak, "rows": []}
+              "steps": args.steps, "activation_checkpointing": args.activation_checkpointing,
+              "matmul_bf16_tflops": peak, "rows": []}
     for run in args.runs:
         name, layout = run.split(":")
         batch = fixed if layout == "fixed" else rl
@@ -243,6 +249,8 @@ def run_isolated(run: str, args) -> dict:
     for key in ("preset", "seqs", "prompt", "max_len", "median_completion", "micro_batch", "pack_tokens", "fixed_seq",
                 "steps", "seed"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.activation_checkpointing:
+        cmd.append("--activation-checkpointing")
     code = subprocess.run(cmd, check=False).returncode
     return json.loads(out.read_text())["rows"][0] if out.is_file() else {"run": run, "error": f"exit code {code}"}
 
@@ -258,7 +266,8 @@ def measure(run: str, name: str, layout: str, batch: TrainBatch, path: Path, arg
             step, desc, shape = plain_step(path, batch, args.micro_batch)
         else:
             micro = args.pack_tokens // args.fixed_seq if layout == "fixed" else args.micro_batch
-            step, desc, shape = backend_step(name, path, batch, layout, micro, args.pack_tokens, args.max_len)
+            step, desc, shape = backend_step(name, path, batch, layout, micro, args.pack_tokens, args.max_len,
+                                             args.activation_checkpointing)
         build_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         seconds = sync_time(step, args.steps)
