@@ -19,6 +19,11 @@ restores it on exit:
 3. `get_default_causal_mask` (`transformer/utils.py`, `device="cuda"`): a CPU
    version, in `transformer.utils` and where it was imported by name
    (`fusions/fused_softmax.py`).
+4. The CUDA generator's state that activation recompute saves and restores
+   (`tensor_parallel/random.py`: `_get_cuda_rng_state`/`_set_cuda_rng_state`,
+   called by `CheckpointFunction`): an empty state that restores nothing (the
+   CPU generator and the tracker, which the CPU runs draw from, are saved
+   beside it).
 
 (The 0.16.1 MoE router bug without Transformer Engine, `te_general_gemm`
 unbound, hits GPUs too; `rlserve.learner.megatron.model.build_gpt_model` works
@@ -28,7 +33,7 @@ These patches never belong in `libs/`: the product path runs on GPUs.
 
 `megatron_cpu_training()` adds the global cuda->cpu shim that the training
 stack (DDP grad buffers, the optimizers, the forward/backward schedules,
-distributed checkpointing) needs on top of those three patches:
+distributed checkpointing) needs on top of those four patches:
 
 4. `torch.cuda.current_device()` is "cpu" for every caller; streams, events,
    `synchronize`, `empty_cache` and `nvtx` become no-ops (`torch.cuda` is
@@ -111,6 +116,14 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(saved)
 
 
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _restore_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
@@ -169,7 +182,9 @@ def megatron_cpu(seed: int = 1234) -> Iterator[None]:
     if any(m.get_default_causal_mask is not original_mask for m in mask_users):
         raise RuntimeError("get_default_causal_mask is already patched")
 
+    saved_cuda_state = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = tracker, True
+    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = _no_cuda_rng_state, _restore_no_cuda_rng_state
     for module in device_modules:
         module.torch = _TorchOnCpu()
     for module in mask_users:
@@ -178,6 +193,7 @@ def megatron_cpu(seed: int = 1234) -> Iterator[None]:
         yield
     finally:
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved_tracker
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_cuda_state
         for module in device_modules:
             module.torch = torch
         for module in mask_users:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,18 @@ def check_lora(spec: RunSpec, hf_config: Any) -> list[str]:
 def adapter_config(cfg: LoraCfg, targets: list[str], base_model: str) -> dict[str, Any]:
     """The PEFT `adapter_config.json` of an adapter trained with `cfg`."""
     return adapter.adapter_config(cfg.dim, cfg.alpha, cfg.dropout, targets, base_model)
+
+
+def read_adapter_for(folder: Path, config: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """The PEFT-named tensors of the adapter in `folder`, refused unless it has the rank and targets of
+    `config` (this run's adapter config; None: the run trains without LoRA)."""
+    if config is None:
+        raise ValueError(f"{folder} is a LoRA adapter, and this run trains without LoRA")
+    tensors, theirs = adapter.read_adapter(folder)
+    if (theirs.get("r"), sorted(theirs.get("target_modules") or [])) != (config["r"], sorted(config["target_modules"])):
+        raise ValueError(f"{folder}: an adapter of rank {theirs.get('r')} on {theirs.get('target_modules')}, "
+                         f"not this run's rank {config['r']} on {config['target_modules']}")
+    return tensors
 
 
 def inject(model: nn.Module, cfg: LoraCfg, targets: list[str]) -> None:

@@ -13,10 +13,10 @@ SMALL = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_atte
              vocab_size=62, max_position_embeddings=4096)
 
 
-def spec(megatron: bool = False, tp: int = 1, seq: int = 128):
+def spec(megatron: bool = False, tp: int = 1, seq: int = 128, **megatron_cfg):
     policy = {"max_total_sequence_length": seq, "generation": {"max_new_tokens": 8}}
     if megatron:
-        policy["megatron_cfg"] = {"enabled": True}
+        policy["megatron_cfg"] = {"enabled": True, **megatron_cfg}
     else:
         policy["dtensor_cfg"] = {"tensor_parallel_size": tp}
     return parse_spec({"policy": policy, "cluster": {"num_workers": tp}})
@@ -50,3 +50,26 @@ def test_dtensor_tp_beyond_kv_heads_is_refused_unless_attention_stays_whole():
     assert err.value.field == "policy.dtensor_cfg.tensor_parallel_size" and "megatron_cfg" in err.value.reason
     check_model(spec(tp=2), MistralConfig(**SMALL))
     check_model(spec(tp=4), Phi3Config(**SMALL))  # fused qkv_proj: attention runs whole on every TP rank
+
+
+def test_megatron_lora_targets_dense_layers_and_the_local_spec():
+    def lora(**peft):
+        return spec(megatron=True, peft={"enabled": True, **peft})
+
+    check_model(lora(), MistralConfig(**SMALL))
+    check_model(lora(target_modules=["q_proj", "v_proj"]), MistralConfig(**SMALL))  # part of fused linear_qkv
+    check_model(lora(target_modules=["qkv_proj", "o_proj"]), Phi3Config(**SMALL))  # HF fuses them too
+    with pytest.raises(UnsupportedModel) as err:
+        check_model(lora(target_modules=["q_proj", "gate_up_proj"]), MistralConfig(**SMALL))
+    assert err.value.field == "policy.megatron_cfg.peft.target_modules" and "'gate_up_proj'" in err.value.reason
+    with pytest.raises(UnsupportedModel, match="excludes every target"):
+        check_model(lora(exclude_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_modules=["o_proj"]),
+                    MistralConfig(**SMALL))
+    moe = MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedModel, match="'w1' is an MoE expert layer"):
+        check_model(lora(target_modules=["w1"]), moe)
+    check_model(lora(), moe)  # every linear layer of an MoE model's decoder layers: attention
+    with pytest.raises(UnsupportedModel) as err:
+        check_model(spec(megatron=True, transformer_impl="transformer_engine", peft={"enabled": True}),
+                    MistralConfig(**SMALL))
+    assert err.value.field == "policy.megatron_cfg.transformer_impl"

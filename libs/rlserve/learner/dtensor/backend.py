@@ -151,13 +151,7 @@ class DTensorBackend(LearnerBackend):
 
     def _load_adapter(self, folder: Path) -> None:
         """Start from a trained adapter (a LoRA run's SFT warm start): its tensors into the adapter parameters."""
-        if self.adapter_config is None:
-            raise ValueError(f"{folder} is a LoRA adapter, and this run trains without LoRA")
-        tensors, config = adapter.read_adapter(folder)
-        if (config.get("r"), sorted(config.get("target_modules", []))) != (
-                self.adapter_config["r"], sorted(self.adapter_config["target_modules"])):
-            raise ValueError(f"{folder}: an adapter of rank {config.get('r')} on {config.get('target_modules')}, "
-                             f"not this run's rank {self.adapter_config['r']} on {self.adapter_config['target_modules']}")
+        tensors = lora.read_adapter_for(folder, self.adapter_config)
         weights.load_adapter(self.model, {adapter.param_name(n): t for n, t in tensors.items()})
 
     def _clip_and_step(self) -> torch.Tensor:

@@ -25,6 +25,12 @@ machinery differs:
   applies to every parameter as in the dtensor backend (`config_overrides={}`).
 - The lr follows `rlserve.training.schedule.lr_factor` with torch LambdaLR's
   semantics (`LrSchedule`), over the Megatron optimizer's param groups.
+- LoRA (`policy.megatron_cfg.peft`): adapters on the local spec's linear layers
+  (`rlserve.learner.megatron.lora`), added after the HF weights load and
+  before DDP and the optimizer, which then hold the adapters only. The
+  reference policy is the same forward with the adapters off; export streams
+  the PEFT adapter (`weights.AdapterExporter`); checkpoints hold the adapters
+  and their optimizer state.
 
 Megatron-Core targets CUDA. On a CPU device the backend refuses to start unless
 `torch.cuda.current_device()` works, which only the test shim in
@@ -42,8 +48,10 @@ import torch
 import torch.distributed as dist
 
 from rlserve.config.spec import RunSpec
+from rlserve.learner import lora
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
 from rlserve.learner.megatron import checkpoint
+from rlserve.learner.megatron import lora as megatron_lora
 from rlserve.learner.megatron.config import (
     Passthrough,
     ddp_config,
@@ -68,7 +76,7 @@ from rlserve.learner.megatron.parallel_dims import (
     initialize,
 )
 from rlserve.learner.megatron.support import check_supported
-from rlserve.learner.megatron.weights import Exporter, stage_shard
+from rlserve.learner.megatron.weights import AdapterExporter, Exporter, load_adapter, stage_shard
 from rlserve.models.architecture import num_experts
 from rlserve.training.batch import MicroBatch
 from rlserve.training.objective import StepObjective
@@ -150,8 +158,13 @@ class MegatronBackend(LearnerBackend):
             self.hf_config, max_sequence_length=spec.policy.max_total_sequence_length,
             **transformer_overrides(spec, self.layout, passthrough))
         self.gpt = self._build_model()
+        self.lora_targets, self.adapter_config = self._add_adapters() if spec.policy.lora.enabled else ({}, None)
+        if init_adapter is not None:
+            load_adapter(self.gpt, lora.read_adapter_for(init_adapter, self.adapter_config), self.hf_config,
+                         self.lora_targets)
         self._build_training_stack(passthrough)
-        self.exporter = Exporter(self.gpt, self.hf_config, self.use_te, self.tconfig.moe_grouped_gemm)
+        self.exporter = (AdapterExporter(self.gpt, self.hf_config, self.lora_targets) if self.adapter_config else
+                         Exporter(self.gpt, self.hf_config, self.use_te, self.tconfig.moe_grouped_gemm))
         # Sequence parallel splits the sequence over TP.
         self.pad_multiple = self.layout.tp if self.layout.sequence_parallel else 1
         self.same_shapes_across_dp = (self.layout.ep > 1 and bool(self.tconfig.num_moe_experts)
@@ -196,6 +209,15 @@ class MegatronBackend(LearnerBackend):
             defer_output_layer(gpt)
         return gpt
 
+    def _add_adapters(self) -> tuple[dict[str, tuple[str, ...]], dict]:
+        """LoRA on this stage's GPTModel (`rlserve.learner.megatron.lora`), before DDP and the optimizer collect
+        what trains: the adapted layers (path -> target HF modules) and the adapter's PEFT config."""
+        cfg = self.spec.policy.lora
+        targets = megatron_lora.layer_targets(self.hf_config, cfg, self.spec.policy.lora_key)
+        megatron_lora.inject(self.gpt, targets, cfg, self.spec.grpo.seed, self.hf_config)
+        leaves = sorted(leaf for modules in targets.values() for leaf in modules)
+        return targets, lora.adapter_config(cfg, leaves, str(self.model_path))
+
     def _build_training_stack(self, passthrough: Passthrough) -> None:
         """(bf16: Float16Module ->) DDP with contiguous grad buffers -> Megatron optimizer -> lr schedule."""
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -223,7 +245,12 @@ class MegatronBackend(LearnerBackend):
 
     def info(self) -> BackendInfo:
         impl = "transformer_engine" if self.use_te else "local"
-        return BackendInfo(self.name, self.layout.world_size, f"{self.layout.describe()}; {impl} layer spec",
+        adapters = ""
+        if self.adapter_config:
+            trainable = sum(p.numel() for p in self.gpt.parameters() if p.requires_grad)
+            adapters = (f"; LoRA r={self.adapter_config['r']} on {','.join(self.adapter_config['target_modules'])}, "
+                        f"{trainable / 1e6:.2f}M trainable on this rank")
+        return BackendInfo(self.name, self.layout.world_size, f"{self.layout.describe()}; {impl} layer spec{adapters}",
                            self.num_parameters, str(self.device))
 
     def _run_updates(self, objective: StepObjective) -> list[float]:
@@ -283,16 +310,27 @@ class MegatronBackend(LearnerBackend):
         # The schedule divides by num_microbatches and DDP averages over dp: undo both (module docstring).
         return value * (self.layout.dp * num_microbatches), {}
 
+    def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
+        """Logprobs under the weights at the start of the step, for steps of several updates."""
+        return self._forward_logprobs(objective)
+
+    def _reference_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
+        with megatron_lora.adapters_off(self.gpt):
+            return self._forward_logprobs(objective)
+
     @torch.no_grad()
-    def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]] | None:
-        """Logprobs under the weights at the start of the step (last stage only), for steps of several updates."""
+    def _forward_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
+        """Every planned micro-batch's logprobs (forward only); None on stages before the last, which
+        never compute a loss."""
 
         def collect(j, mb, inputs, hidden):
             lps, _ = self._logprobs(inputs, hidden, with_entropy=False)
             return lps.sum() * 0.0, {"logprobs": lps}
 
         out = [self._run(plan, collect, forward_only=True) for plan in objective.plans]
-        return [[d["logprobs"] for d in store] for store in out] if self.pp_last else None
+        if not self.pp_last:
+            return [[None] * len(plan) for plan in objective.plans]
+        return [[d["logprobs"] for d in store] for store in out]
 
     def _finalize(self, objective: StepObjective) -> dict[str, float]:
         """Metrics live on the last pipeline stage; every rank returns the same dict."""
@@ -309,10 +347,10 @@ class MegatronBackend(LearnerBackend):
         return self.exporter.stream(dtype)
 
     def _save_model_and_optimizer(self, path: Path) -> None:
-        checkpoint.save(path, self.gpt, self.optimizer)
+        checkpoint.save(path, self.gpt, self.optimizer, trainable_only=self.adapter_config is not None)
 
     def _load_model_and_optimizer(self, path: Path) -> None:
-        checkpoint.load(path, self.gpt, self.optimizer)
+        checkpoint.load(path, self.gpt, self.optimizer, trainable_only=self.adapter_config is not None)
 
     def _rng_state(self) -> dict:
         return {**super()._rng_state(), "tracker": checkpoint.tracker_state()}

@@ -7,7 +7,8 @@
   layout. The optimizer state (Adam moments, fp32 main params, step) of the
   distributed optimizer is stored in its bucket layout ("dp_reshardable"), so it
   reloads under another DP size only; the non-distributed optimizer's state is
-  per parameter.
+  per parameter. A LoRA run saves its adapters only (`trainable_only`): the
+  frozen base comes from the model folder.
 - In each rank's random state, beside the CPU and CUDA generators: Megatron's
   tensor-parallel RNG tracker (`tracker_state`).
 """
@@ -26,9 +27,11 @@ import torch.distributed as dist
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _sharded(model, optimizer, is_loading: bool) -> dict:
+def _sharded(model, optimizer, is_loading: bool, trainable_only: bool) -> dict:
     """`model` is the GPTModel itself (the DDP wrapper would prefix every key with "module.")."""
     model_sd = model.sharded_state_dict()
+    if trainable_only:  # frozen tensors (a LoRA run's base) come from the model folder
+        model_sd = {k: v for k, v in model_sd.items() if getattr(getattr(v, "data", None), "requires_grad", False)}
     return {"model": model_sd,
             "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)}
 
@@ -46,14 +49,14 @@ def set_tracker_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state)
 
 
-def save(path: Path, model, optimizer) -> None:
+def save(path: Path, model, optimizer, trainable_only: bool) -> None:
     from megatron.core import dist_checkpointing
 
     folder = path / "megatron"
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), str(folder))
+    dist_checkpointing.save(_sharded(model, optimizer, False, trainable_only), str(folder))
 
 
 def _allocate_adam_state(optimizer) -> None:
@@ -92,13 +95,17 @@ def _restore_adam_steps(optimizer) -> None:
                     inner.state[p]["step"] = torch.tensor(float(group["step"]))
 
 
-def load(path: Path, model, optimizer) -> None:
-    """Restore model and optimizer in place."""
+def load(path: Path, model, optimizer, trainable_only: bool) -> None:
+    """Restore model and optimizer in place (with `trainable_only`, the model's trained parameters only)."""
     from megatron.core import dist_checkpointing
 
     _allocate_adam_state(optimizer)
-    state = dist_checkpointing.load(_sharded(model, optimizer, is_loading=True), str(path / "megatron"))
-    model.load_state_dict(state["model"])
+    state = dist_checkpointing.load(_sharded(model, optimizer, True, trainable_only), str(path / "megatron"))
+    result = model.load_state_dict(state["model"], strict=not trainable_only)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    if result.unexpected_keys or trained & set(result.missing_keys):
+        raise KeyError(f"checkpoint mismatch: unexpected {result.unexpected_keys[:4]}, "
+                       f"missing {sorted(trained & set(result.missing_keys))[:4]}")
     with torch.no_grad():  # the distributed optimizer copies into fp32 shards that are views of leaf params
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)

@@ -130,8 +130,9 @@ class Passthrough:
 
 
 def use_transformer_engine(cfg: MegatronCfg) -> bool:
-    """`transformer_impl`: "auto" takes the TE layer spec when transformer_engine imports."""
-    if cfg.transformer_impl == "local":
+    """`transformer_impl`: "auto" takes the TE layer spec when transformer_engine imports, except with LoRA,
+    which adapts the local spec's layers (`rlserve.learner.megatron.support.check_model` refuses TE with it)."""
+    if cfg.transformer_impl == "local" or cfg.peft.enabled:
         return False
     try:
         import transformer_engine  # noqa: F401

@@ -370,6 +370,67 @@ def megatron_param_to_hf(
     return [(hf_name, _own(t)) for hf_name, t in zip(rule.hf, tensors)]
 
 
+def dense_linears(hf_config) -> dict[str, tuple[str, ...]]:
+    """The TP-split linear layers of a decoder layer that are not MoE experts, as LoRA adapts them: their
+    path in the layer (`self_attention.linear_qkv`, ...) -> the HF module leaf names fused into each, in
+    fusion order (`("q_proj", "k_proj", "v_proj")`; one name where HF fuses them too, as Phi3's `qkv_proj`)."""
+    out = {}
+    for rule in _rules(hf_config, use_te=False, moe_grouped_gemm=False):
+        if rule.expert is None and rule.kind in (_QKV, _ROW, _FC1) and rule.mcore.endswith(".weight") \
+                and rule.mcore.startswith("decoder.layers.0."):
+            path = rule.mcore.removeprefix("decoder.layers.0.").removesuffix(".weight")
+            out[path] = tuple(name.rsplit(".", 2)[-2] for name in rule.hf)
+    return out
+
+
+def moe_expert_leaves(hf_config) -> tuple[str, ...]:
+    """The HF leaf names of an MoE model's expert linears (gate, up, down); () for a dense model."""
+    return _MOE_NAMES[hf_config.model_type][2] if _is_moe(hf_config) else ()
+
+
+def _dense_rule(name: str, hf_config) -> _Rule:
+    try:
+        return _global_rule_index(hf_config, False, False, 1)[(name, 0)]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a {hf_config.model_type} GPTModel parameter") from None
+
+
+def hf_names(name: str, hf_config) -> tuple[str, ...]:
+    """The HF names that dense (not expert) GPTModel parameter `name` is made of, in fusion order."""
+    return _dense_rule(name, hf_config).hf
+
+
+def hf_rows(name: str, hf_config) -> tuple[int, ...]:
+    """The rows (output features) of each HF tensor that column-parallel dense parameter `name` is made of."""
+    rule = _dense_rule(name, hf_config)
+    d, heads, kv = _head_dim(hf_config), hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if rule.kind == _QKV:
+        rows = (heads * d, kv * d, kv * d)
+    elif rule.kind == _FC1:
+        rows = (hf_config.intermediate_size,) * 2
+    else:
+        raise ValueError(f"{name!r} is not a column-parallel linear that fuses HF tensors")
+    return rows if len(rule.hf) == len(rows) else (sum(rows),)
+
+
+def row_sources(name: str, hf_config, tp_size: int, tp_rank: int) -> Tensor:
+    """For each row of TP rank `tp_rank`'s shard of column-parallel parameter `name`, the index (in
+    `hf_names` order) of the HF tensor it comes from: the fusion map applied to row labels."""
+    labels = [torch.full((n,), i) for i, n in enumerate(hf_rows(name, hf_config))]
+    return hf_to_shard(name, labels, hf_config, tp_size, tp_rank)
+
+
+def hf_to_shard(name: str, tensors: Sequence[Tensor], hf_config, tp_size: int, tp_rank: int) -> Tensor:
+    """TP rank `tp_rank`'s shard of dense GPTModel parameter `name`, made from its HF tensors in `hf_names` order.
+
+    Only the rows (fused, split) or the columns (split) are rearranged, so any tensor laid out like the
+    weight along that dim converts: a LoRA B [out, r] of a column-parallel layer, an A [r, in] of a
+    row-parallel one (`rlserve.learner.megatron.lora`), a vector of row labels (`row_sources`).
+    `megatron_param_to_hf` is the inverse.
+    """
+    return _own(_to_shard(_dense_rule(name, hf_config), list(tensors), hf_config, tp_size, tp_rank, 0))
+
+
 _LAYER_RE = re.compile(r"^decoder\.layers\.\d+\.")
 
 

@@ -15,6 +15,9 @@ forward (checked to 1e-4 in fp32 per architecture by
 - Not Gemma2/Gemma3: their (1 + w) RMSNorm, sqrt(hidden)-scaled embeddings,
   pre/post sandwich norms, GeLU-tanh MLP, attention and final-logit
   soft-capping and per-layer sliding windows have no GPTModel setting.
+- LoRA (`policy.megatron_cfg.peft`) on any HF module of the attention and
+  dense MLP layers (`rlserve.learner.megatron.lora.layer_targets`), on the
+  local layer spec; not on MoE experts.
 - Not a sliding window shorter than the run's sequences: the window is not
   mapped. Packed rows attend per sequence through
   `rlserve.training.attention` (causal, no window), and megatron-core 0.16.1's
@@ -30,6 +33,7 @@ from typing import Any
 
 from rlserve.config.spec import RunSpec
 from rlserve.learner.megatron.hf_map import SUPPORTED_MODEL_TYPES
+from rlserve.learner.megatron.lora import layer_targets
 from rlserve.learner.registry import UnsupportedModel
 from rlserve.models.architecture import OutputLogits, num_experts
 
@@ -129,10 +133,15 @@ def check_supported(hf_config, max_sequence_length: int | None = None) -> None:
 
 
 def check_model(spec: RunSpec, hf_config) -> None:
-    """Raise UnsupportedModel (naming `policy.megatron_cfg` and the alternative) if the backend cannot train it."""
-    if spec.policy.megatron_cfg.peft.enabled:
-        raise UnsupportedModel("policy.megatron_cfg.peft", "LoRA trains on the dtensor backend only for now "
-                               "(policy.dtensor_cfg.lora_cfg)")
+    """Raise UnsupportedModel (naming the field and the alternative) if the backend cannot train it as configured."""
     reasons = unsupported_reasons(hf_config, spec.policy.max_total_sequence_length)
     if reasons:
         raise UnsupportedModel("policy.megatron_cfg", _refusal(hf_config, reasons))
+    cfg = spec.policy.megatron_cfg
+    if cfg.peft.enabled:
+        if cfg.transformer_impl == "transformer_engine":
+            raise UnsupportedModel("policy.megatron_cfg.transformer_impl", "LoRA adapts the local layer spec's "
+                                   "linear layers; the Transformer Engine spec fuses the input norms into "
+                                   "linear_qkv and linear_fc1, whose normalised input an adapter needs; use "
+                                   "transformer_impl: local (or auto, which picks local with LoRA)")
+        layer_targets(hf_config, cfg.peft, "policy.megatron_cfg.peft")

@@ -18,6 +18,10 @@ Data-parallel replicas hold identical weights (the distributed optimizer
 all-gathers updated params after each step), so DP needs no communication.
 Every rank walks the same plan (built once, collectively) and yields the same
 names; only rank 0's tensors are real.
+
+A LoRA run's adapters (`rlserve.learner.megatron.lora`) go the same way
+(`AdapterExporter`, PEFT-named), and come back from a PEFT folder through
+`load_adapter`, with the weight's own row maps.
 """
 
 from __future__ import annotations
@@ -31,7 +35,16 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from rlserve.learner.megatron.hf_map import hf_to_megatron, megatron_param_to_hf, tp_split_dim
+from rlserve.learner.megatron.hf_map import (
+    hf_names,
+    hf_rows,
+    hf_to_megatron,
+    hf_to_shard,
+    megatron_param_to_hf,
+    tp_split_dim,
+)
+from rlserve.learner.megatron.lora import LoraLinear, is_column
+from rlserve.weights import adapter
 from rlserve.weights.buckets import to_host
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -62,6 +75,11 @@ def _layer_maps(model: torch.nn.Module) -> tuple[dict[int, int], dict[int, int]]
     """(global -> local, local -> global) decoder layer indices of this pipeline stage."""
     local_to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
     return {g: i for i, g in local_to_global.items()}, local_to_global
+
+
+def _global_name(name: str, local_to_global: dict[int, int]) -> str:
+    m = _LAYER.match(name)
+    return f"decoder.layers.{local_to_global[int(m.group(1))]}.{name[m.end():]}" if m else name
 
 
 def _rename(name: str, layers: dict[int, int]) -> str | None:
@@ -115,23 +133,27 @@ class Exporter:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.rank = dist.get_rank()
         _, local_to_global = _layer_maps(model)
-        tied = bool(hf_config.tie_word_embeddings)
+        self.params = {name: p for name, p in model.named_parameters() if self._exports(name)}
         mine = []
-        for name, param in model.named_parameters():
-            if tied and name == "output_layer.weight":
-                continue  # the copy of the embedding on the last stage; HF has no lm_head when tied
-            m = _LAYER.match(name)
-            global_name = f"decoder.layers.{local_to_global[int(m.group(1))]}.{name[m.end():]}" if m else name
+        for name, param in self.params.items():
+            global_name = _global_name(name, local_to_global)
             expert = not getattr(param, "allreduce", True)
             group = self.etp_group if expert else self.tp_group
-            shards = 1 if tp_split_dim(global_name) is None else dist.get_world_size(group)
+            shards = dist.get_world_size(group) if self._split(global_name) else 1
             mine.append(_Entry(self.stage, name, global_name, tuple(param.shape), shards, expert))
         stages: list[list[_Entry]] = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(stages, mine, group=self.pp_group)
         self.plan = [e for stage in stages for e in stage]
         # The rank of each stage that shares rank 0's TP/DP/EP coordinates: rank 0's pipeline peers.
         self.rank0_peers = dist.get_process_group_ranks(self.pp_group) if self._in_rank0_pipeline() else None
-        self.params = dict(model.named_parameters())
+
+    def _exports(self, name: str) -> bool:
+        # Tied: the copy of the embedding on the last stage is not exported (HF has no lm_head).
+        return not (self.hf_config.tie_word_embeddings and name == "output_layer.weight")
+
+    def _split(self, global_name: str) -> bool:
+        """Whether the parameter is split over its TP (ETP) group, so its shards are gathered."""
+        return tp_split_dim(global_name) is not None
 
     def _in_rank0_pipeline(self) -> bool:
         return 0 in dist.get_process_group_ranks(self.pp_group)
@@ -197,3 +219,80 @@ class Exporter:
                 group = shards[e * entry.shards:(e + 1) * entry.shards]
                 for name, tensor in self._convert(entry, group, e if entry.expert else 0):
                     yield name, to_host(tensor, dtype)
+
+
+def _peft_name(hf_weight: str, part: str) -> str:
+    """`model.layers.0.self_attn.q_proj.weight`, "A" -> its PEFT tensor name,
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    return f"{adapter.PEFT_PREFIX}{hf_weight.removesuffix('.weight')}.lora_{part}.weight"
+
+
+class AdapterExporter(Exporter):
+    """A LoRA run's adapters in the PEFT layout (`rlserve.weights.adapter`), streamed like the weights.
+
+    `targets` maps a layer path (`self_attention.linear_qkv`) to its target HF modules
+    (`rlserve.learner.megatron.lora.layer_targets`). The part of an adapter laid out like its layer's
+    weight (B of a column-parallel layer, A of a row-parallel one) is gathered over TP and un-fused
+    exactly as the weight (`megatron_param_to_hf` with the layer's weight name); a column layer's
+    stacked A is split into its modules' A_i.
+    """
+
+    def __init__(self, model: torch.nn.Module, hf_config, targets: dict[str, tuple[str, ...]]):
+        self.targets = targets
+        super().__init__(model, hf_config, use_te=False, moe_grouped_gemm=False)
+
+    def _exports(self, name: str) -> bool:
+        return name.endswith((".lora_A", ".lora_B"))
+
+    def _split(self, global_name: str) -> bool:
+        module, _, part = global_name.rpartition(".lora_")
+        return (part == "B") == is_column(module)
+
+    def _convert(self, entry: _Entry, shards: list[torch.Tensor], ep_rank: int) -> list[tuple[str, torch.Tensor]]:
+        module, _, part = entry.global_name.rpartition(".lora_")
+        weight = f"{module}.weight"
+        names = _targeted(weight, self.hf_config, self.targets)
+        if self._split(entry.global_name):
+            pairs = [(n, t) for n, t in megatron_param_to_hf(weight, shards, self.hf_config) if n in names]
+        elif part == "A":  # a column layer's stacked A_i; one copy each (safetensors refuses shared storage)
+            pairs = [(n, a.clone()) for n, a in zip(names, shards[0].split(shards[0].shape[0] // len(names)))]
+        else:
+            pairs = [(names[0], shards[0])]
+        return [(_peft_name(name, part), tensor) for name, tensor in pairs]
+
+
+def _targeted(weight: str, hf_config, targets: dict[str, tuple[str, ...]]) -> list[str]:
+    """The HF weight names of the target modules of the layer whose weight is `weight`, in fusion order."""
+    path = weight.split(".", 3)[3].removesuffix(".weight")
+    return [n for n in hf_names(weight, hf_config) if n.split(".")[-2] in targets[path]]
+
+
+@torch.no_grad()
+def load_adapter(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], hf_config,
+                 targets: dict[str, tuple[str, ...]]) -> None:
+    """PEFT-named full adapter tensors into this rank's adapter shards: `AdapterExporter`'s inverse
+    (B of a column layer fused and split like its weight, zero on rows of modules that are not targets)."""
+    from megatron.core import parallel_state as ps
+
+    expected = {_peft_name(n, part) for i in range(hf_config.num_hidden_layers) for path in targets
+                for n in _targeted(f"decoder.layers.{i}.{path}.weight", hf_config, targets) for part in "AB"}
+    if expected != set(tensors):
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ValueError(f"the adapter does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    _, local_to_global = _layer_maps(model)
+    for local, layer in model.named_modules():
+        if not isinstance(layer, LoraLinear):
+            continue
+        weight = f"{_global_name(local, local_to_global)}.weight"
+        names = _targeted(weight, hf_config, targets)
+        a = [tensors[_peft_name(n, "A")] for n in names]
+        b = {n: tensors[_peft_name(n, "B")] for n in names}
+        if layer.column:
+            fused = [b[n] if n in b else torch.zeros(rows, layer.rank, dtype=a[0].dtype)
+                     for n, rows in zip(hf_names(weight, hf_config), hf_rows(weight, hf_config))]
+            layer.lora_A.copy_(torch.cat(a))
+            layer.lora_B.copy_(hf_to_shard(weight, fused, hf_config, tp_size, tp_rank))
+        else:
+            layer.lora_A.copy_(hf_to_shard(weight, a, hf_config, tp_size, tp_rank))
+            layer.lora_B.copy_(b[names[0]])
