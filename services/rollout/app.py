@@ -88,7 +88,8 @@ class Rollout:
         self.info = self.engine.info()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.weights = WeightFollower(get_store(self.args.weight_store), get_fleet(self.args.weight_store),
-                                      self.engine, specs, self.replica_id, self.args.weight_transfer_timeout_s)
+                                      self.engine, specs, self.replica_id, self.args.weight_transfer_timeout_s,
+                                      lambda base: self.paths.model("base_model_name_or_path", base))
         await self.weights.start()
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
               version=self.weights.version, fingerprint=self.fingerprint,

@@ -39,11 +39,11 @@ def random_adapter(folder: Path, seed: int) -> Path:
     return folder
 
 
-def peft_logprobs(adapter: Path | None, prompts: list[list[int]], out) -> torch.Tensor:
+def peft_logprobs(adapter: Path | None, prompts: list[list[int]], out, base: Path | None = None) -> torch.Tensor:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model("preset:tiny"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(base or resolve_model("preset:tiny"), dtype=torch.float32).eval()
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
     seqs = [p + s.token_ids for p, ss in zip(prompts, out) for s in ss]
@@ -73,7 +73,8 @@ def test_samples_under_the_newest_adapter_match_peft(engine, loop, adapters, tmp
             base = await eng.generate(PROMPTS, 2, SAMPLING)
             for version, folder in enumerate(adapters, start=1):
                 # The engine owns the folder it is given.
-                await eng.load_adapter(Path(shutil.copytree(folder, tmp_path / f"v{version}")), version, False)
+                await eng.load_adapter(Path(shutil.copytree(folder, tmp_path / f"v{version}")), cfg.model_path,
+                                       version, False)
             return base, await eng.generate(PROMPTS, 2, SAMPLING), eng.version
         finally:
             await eng.close()
@@ -90,7 +91,8 @@ def test_samples_under_the_newest_adapter_match_peft(engine, loop, adapters, tmp
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])
 def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapters, tmp_path):
     """A full-parameter run after a LoRA run gets its weights without the adapter; a LoRA run after a
-    full-parameter run gets its adapter on the deployed base, not on the other run's weights."""
+    full-parameter run gets its adapter on the deployed base, not on the other run's weights; an
+    adapter on another base (a run's SFT warm start) gets that base."""
     from rlserve.models.factory import make_model
     from rlserve.models.presets import get_preset
 
@@ -100,15 +102,18 @@ def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapte
     async def run():
         eng = make_engine(engine, cfg)
         try:
-            await eng.load_adapter(Path(shutil.copytree(adapters[0], tmp_path / "a1")), 1, False)
+            await eng.load_adapter(Path(shutil.copytree(adapters[0], tmp_path / "a1")), cfg.model_path, 1, False)
             await eng.load_weights(list(load_file(other / "model.safetensors").items()), 2, False)
             full = await eng.generate(PROMPTS, 2, SAMPLING)
-            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a2")), 3, False)
-            return full, await eng.generate(PROMPTS, 2, SAMPLING)
+            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a2")), cfg.model_path, 3, False)
+            tuned = await eng.generate(PROMPTS, 2, SAMPLING)
+            # A run whose SFT warm start is its own base: the adapter on that model.
+            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a3")), other, 4, False)
+            return full, tuned, await eng.generate(PROMPTS, 2, SAMPLING)
         finally:
             await eng.close()
 
-    full, tuned = loop.run(run())
+    full, tuned, on_other = loop.run(run())
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
@@ -118,3 +123,5 @@ def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapte
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.tensor([x for ss in tuned for s in ss for x in s.logprobs]),
                                peft_logprobs(adapters[1], PROMPTS, tuned), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor([x for ss in on_other for s in ss for x in s.logprobs]),
+                               peft_logprobs(adapters[1], PROMPTS, on_other, base=other), atol=1e-4, rtol=0)

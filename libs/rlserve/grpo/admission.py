@@ -133,9 +133,10 @@ class GrpoAdmission(Admission):
             if info.architecture_fingerprint != served:
                 raise failed_precondition(f"policy.model_name: {spec.policy.model_name} does not have the "
                                           f"architecture of the model the rollout service serves ({info.model})")
-            if spec.policy.lora.enabled and Path(model).resolve() != Path(info.model).resolve():
+            if spec.policy.lora.enabled and not spec.sft.enabled and Path(model).resolve() != Path(info.model).resolve():
                 raise failed_precondition(f"policy.model_name: a LoRA run's adapters apply to the base model the "
-                                          f"rollout serves ({info.model}); {spec.policy.model_name} is another")
+                                          f"rollout serves ({info.model}); {spec.policy.model_name} is another "
+                                          f"(a run with an SFT warm start brings its own base)")
             await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
         except ServiceFailure as err:
             raise failed_precondition(f"reward.functions or services: {err}") from None

@@ -3,7 +3,10 @@
 A random tiny model almost never samples a correct answer, so GRPO would see
 no reward signal. A short supervised phase on the reference answers (stopped
 once held-out reward reaches `sft.stop_at_val_reward`) gives it a foothold;
-its output becomes GRPO's initial policy and the KL reference.
+its output becomes GRPO's initial policy and the KL reference. It trains
+every weight, in a LoRA run too: the run's adapters then train on the SFT
+model, which is their base (on the learner and on the rollout) and the
+reference policy, as for full-parameter runs.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, syn
     cfg = inputs.spec.sft
     out = run.run_dir / "sft_model"
     await services.configure(learner_pb2.ConfigureRequest(
-        run_id=run.run_id, spec_yaml=inputs.spec_yaml(), init_model_path=str(inputs.model_path)))
+        run_id=run.run_id, spec_yaml=inputs.sft_spec_yaml(), init_model_path=str(inputs.model_path)))
     sampler = PromptSampler(list(inputs.train), inputs.spec.data.seed + 1)
     reward = 0.0
     for i in range(cfg.max_num_steps):

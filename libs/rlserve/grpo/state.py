@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlserve.config import RunSpec
+from rlserve.config import RunSpec, spec_to_yaml
 from rlserve.data.dataset import PromptSampler, build_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
@@ -56,6 +56,15 @@ class RunInputs:
     def spec_yaml(self) -> str:
         """The resolved spec as SubmitRun wrote it into the run directory (what the learner is configured with)."""
         return (self.run_dir / "spec.yaml").read_text()
+
+    def sft_spec_yaml(self) -> str:
+        """The spec the SFT warm start configures the learner with: full-parameter even in a LoRA run, whose
+        adapters then train on the SFT model (its base and reference policy)."""
+        if not self.spec.policy.lora.enabled:
+            return self.spec_yaml()
+        spec = self.spec.model_copy(deep=True)
+        spec.policy.lora.enabled = False
+        return spec_to_yaml(spec)
 
 
 @dataclass

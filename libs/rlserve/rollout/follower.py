@@ -23,6 +23,7 @@ import asyncio
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,13 @@ class Applied:
 
 class WeightFollower:
     def __init__(self, store: ray.actor.ActorHandle, fleet: ray.actor.ActorHandle, engine: RolloutEngine,
-                 specs: dict[str, TensorSpec], replica_id: str, transfer_timeout_s: float):
+                 specs: dict[str, TensorSpec], replica_id: str, transfer_timeout_s: float,
+                 confine_base: Callable[[str], Path]):
+        """`confine_base` maps an adapter's base model folder to a path the rollout may read (raises
+        RpcError PERMISSION_DENIED outside the cluster's model directories and runs directory)."""
         self.store, self.fleet = store, fleet
         self.engine, self.specs, self.replica_id = engine, specs, replica_id
+        self.confine_base = confine_base
         self.transfer_timeout_s = transfer_timeout_s
         self.publish_id = 0
         self.run_id = ""
@@ -235,10 +240,20 @@ class WeightFollower:
         await self.fleet.announce.remote(publish_id, version)
 
     def _check(self, got: dict[str, TensorSpec], adapter_config: dict | None) -> list[str]:
-        """Problems of an update for the served model: its weights, or an adapter on it."""
-        if adapter_config is not None:
-            return adapter.check_adapter(self.specs, got, adapter_config)
-        return check_update(self.specs, got)
+        """Problems of an update for the served model: its weights, or an adapter on a base of its layout."""
+        if adapter_config is None:
+            return check_update(self.specs, got)
+        base = self._base(adapter_config)
+        if base != Path(self.engine.info().model).resolve():
+            problems = check_update(self.specs, checkpoint_specs(base))
+            if problems:
+                return [f"the adapter's base model {base}: {p}" for p in problems]
+        return adapter.check_adapter(self.specs, got, adapter_config)
+
+    def _base(self, adapter_config: dict) -> Path:
+        """The model folder an adapter applies to (the deployed model when its config names none)."""
+        named = adapter_config.get("base_model_name_or_path")
+        return self.confine_base(named).resolve() if named else Path(self.engine.info().model).resolve()
 
     async def _apply(self, pub: Publication, in_flight: bool) -> Applied:
         """Fetch, validate, then load one publication (the caller holds `_loading`)."""
@@ -270,7 +285,7 @@ class WeightFollower:
             if tensors is None:
                 tensors = adapter.read_adapter(Path(pub.safetensors_path))[0]
             await asyncio.to_thread(adapter.write_adapter, folder, tensors, pub.adapter_config)
-            await self.engine.load_adapter(folder, pub.version, in_flight)
+            await self.engine.load_adapter(folder, self._base(pub.adapter_config), pub.version, in_flight)
         elif tensors is None:
             await self.engine.load_weights_from_path(Path(pub.safetensors_path), pub.version, in_flight)
         else:

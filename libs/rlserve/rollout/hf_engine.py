@@ -41,7 +41,8 @@ class TransformersEngine(BatchEngine):
         self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._served_adapter: tuple[int, list[str]] | None = None  # (rank, targets) of the adapter layers added
-        self._base_replaced = False  # a full-weight update replaced the deployed base
+        # The base model the weights are (adapters apply to it); None after a full-weight update.
+        self._base: Path | None = Path(cfg.model_path).resolve()
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
@@ -92,15 +93,15 @@ class TransformersEngine(BatchEngine):
                     return GeneratedSample(ids[:k + 1], lps[:k + 1], "stop", text[: text.index(hit[0])])
         return GeneratedSample(ids, lps, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def load_adapter(self, folder: Path) -> None:
+    def load_adapter(self, folder: Path, base: Path) -> None:
         """peft's LoRA layers, added at the first adapter and refilled by every later one."""
         from peft import LoraConfig, inject_adapter_in_model
 
         if not self.cfg.enable_lora:
             raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
         tensors, config = adapter.read_adapter(folder)
-        if self._base_replaced:  # an earlier full-parameter run's weights: the deployed base first
-            self._load_base()
+        if self._base != base.resolve():  # other weights serve now (another run's): the base first
+            self._load_base(base)
         if self._served_adapter is None:
             inject_adapter_in_model(LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"],
                                                target_modules=config["target_modules"], bias="none"), self.model)
@@ -127,14 +128,14 @@ class TransformersEngine(BatchEngine):
         """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included); a
         model that carries adapters (an earlier LoRA run's) is rebuilt without them first."""
         if self._served_adapter is not None:
-            self._load_base()
+            self._load_base(self.cfg.model_path)
         load_from_checkpoint(self.model, state)
-        self._base_replaced = True
+        self._base = None
 
-    def _load_base(self) -> None:
-        """The deployed model as it was started, without adapters."""
-        self.model = load_causal_lm(self.cfg.model_path, torch_dtype(self.cfg.dtype)).to(self.device).eval()
-        self._served_adapter, self._base_replaced = None, False
+    def _load_base(self, base: Path) -> None:
+        """The model in `base` (the deployed one, or a run's starting point), without adapters."""
+        self.model = load_causal_lm(base, torch_dtype(self.cfg.dtype)).to(self.device).eval()
+        self._served_adapter, self._base = None, base.resolve()
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

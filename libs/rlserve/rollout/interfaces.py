@@ -159,10 +159,12 @@ class RolloutEngine(ABC):
     async def load_weights_from_path(self, path: Path, version: int, in_flight: bool) -> None:
         """`load_weights` from a folder of HF-named *.safetensors (already validated)."""
 
-    async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
-        """Serve the PEFT adapter in `folder` (already validated) on the base model from now on, as
-        weight version `version` (replacing the adapter served before; `in_flight` as for weights).
-        The engine owns `folder` from then on and removes it once it no longer reads it."""
+    async def load_adapter(self, folder: Path, base: Path, version: int, in_flight: bool) -> None:
+        """Serve the PEFT adapter in `folder` (already validated) on the base model in `base` from now on,
+        as weight version `version` (replacing the adapter served before; `in_flight` as for weights).
+        `base` is the deployed model, or a run's own starting point (its full-parameter SFT warm
+        start); the engine loads it first when it serves other weights. The engine owns `folder`
+        from then on and removes it once it no longer reads it."""
         raise NotImplementedError(f"the {self.name} engine serves without LoRA (enable_lora in its args)")
 
     # vLLM's weight-transfer API, for engines with a `transfer_backend` (the learner drives the calls).
@@ -212,8 +214,9 @@ class BatchEngine(ABC):
     def load_weights_from_path(self, path: Path) -> None:
         """Replace weights in place from a folder of HF-named *.safetensors (already validated)."""
 
-    def load_adapter(self, folder: Path) -> None:
-        """Generate with the PEFT adapter in `folder` on the base model from now on (already validated)."""
+    def load_adapter(self, folder: Path, base: Path) -> None:
+        """Generate with the PEFT adapter in `folder` on the base model in `base` from now on (already
+        validated; the engine loads the base first when it serves other weights)."""
         raise NotImplementedError(f"the {self.name} engine serves without LoRA (enable_lora in its args)")
 
     @abstractmethod

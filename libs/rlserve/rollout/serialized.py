@@ -63,10 +63,10 @@ class Serialized(RolloutEngine):
             await in_thread_to_the_end(self.engine.load_weights_from_path, path)
             self._version = version
 
-    async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
+    async def load_adapter(self, folder: Path, base: Path, version: int, in_flight: bool) -> None:
         async with self._lock:
             try:
-                await in_thread_to_the_end(self.engine.load_adapter, folder)
+                await in_thread_to_the_end(self.engine.load_adapter, folder, base)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)  # read whole: the engine keeps its tensors
             self._version = version

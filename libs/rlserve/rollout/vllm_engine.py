@@ -116,8 +116,9 @@ class VllmEngine(RolloutEngine):
         # The adapter served on the base model (LoRA runs), and the folders of it vLLM may still read.
         self._lora = None
         self._adapter_folders: list[Path] = []
-        # A full-weight update replaced the deployed base (a LoRA run's adapter needs it back first).
-        self._base_replaced = False
+        # The base model the engine's weights are (adapters apply to it): the deployed one, a run's own
+        # (its SFT warm start), or None after a full-weight update (a run's trained weights).
+        self._base: Path | None = Path(cfg.model_path).resolve()
 
     def _start(self, model: Path):
         cores = () if torch.cuda.is_available() else self.cfg.cpu_cores
@@ -269,9 +270,9 @@ class VllmEngine(RolloutEngine):
 
     def _full_weights_loaded(self) -> None:
         """A run's full weights replaced the base: no adapter applies on them."""
-        self._base_replaced, self._lora = True, None
+        self._base, self._lora = None, None
 
-    async def load_adapter(self, folder: Path, version: int, in_flight: bool) -> None:
+    async def load_adapter(self, folder: Path, base: Path, version: int, in_flight: bool) -> None:
         """The adapter replaces the one served, in place (one LoRA slot, reloaded): the same sequence as a
         weight update (pause, load, stamp the version, reset the prefix cache, resume), so a sample's
         tokens are labelled with the adapter versions that produced them."""
@@ -284,10 +285,9 @@ class VllmEngine(RolloutEngine):
         async with self._updating:
             await self._pause(in_flight)
             try:
-                if self._base_replaced:  # an earlier full-parameter run's weights: the deployed base first
-                    await self.llm.collective_rpc("rlserve_reload_weights",
-                                                  kwargs={"weights_path": str(self.cfg.model_path)})
-                    self._base_replaced = False
+                if self._base != base.resolve():  # other weights serve now (another run's): the base first
+                    await self.llm.collective_rpc("rlserve_reload_weights", kwargs={"weights_path": str(base)})
+                    self._base = base.resolve()
                 request = LoRARequest(_ADAPTER_NAME, 1, str(folder), load_inplace=True)
                 if not await self.llm.add_lora(request):
                     raise RuntimeError(f"vLLM did not load the adapter in {folder}")
