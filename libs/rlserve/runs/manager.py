@@ -126,6 +126,8 @@ class RunManager:
             self._schedule()
 
     def _load_spec(self, spec_yaml: str) -> RunSpec:
+        """Parsing runs in a worker thread (its cost is bounded, `rlserve.config.load_spec`), so one
+        caller's spec never holds up the others' calls."""
         try:
             return load_spec(spec_yaml)
         except SpecError as err:
@@ -144,10 +146,11 @@ class RunManager:
         earlier = slot.run if slot else None
         if earlier is not None and earlier.state not in TERMINAL:
             raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[earlier.state]}")
-        stored = await self.admission.check(self._load_spec((run_dir / "spec.yaml").read_text()))
+        stored = await self.admission.check(await asyncio.to_thread(self._load_spec,
+                                                                   (run_dir / "spec.yaml").read_text()))
         spec = stored
         if spec_yaml.strip():
-            spec = await self.admission.check(self._load_spec(spec_yaml))
+            spec = await self.admission.check(await asyncio.to_thread(self._load_spec, spec_yaml))
             mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
             mine["grpo"].pop("max_num_steps")
             theirs["grpo"].pop("max_num_steps")
@@ -168,7 +171,7 @@ class RunManager:
         if resume:
             spec = await self._resumed_spec(run_id, spec_yaml)
         else:
-            spec = self._load_spec(spec_yaml)
+            spec = await asyncio.to_thread(self._load_spec, spec_yaml)
             if run_id and (run_id in self._slots or (self.runs_dir / run_id).exists()):
                 raise already_exists(f"run {run_id!r} exists")
             run_id = run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
