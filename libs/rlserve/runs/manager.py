@@ -275,6 +275,15 @@ class RunManager:
             head.cancel_requested = False
             head.run.set_state(pb.RUN_STATE_RUNNING)
             head.task = asyncio.get_running_loop().create_task(self._execute(head))
+            head.task.add_done_callback(lambda task, slot=head: self._cancelled_before_start(slot, task))
+
+    def _cancelled_before_start(self, slot: _Slot, task: asyncio.Task) -> None:
+        """A task cancelled before its first step never enters `_execute` (the cancellation is thrown
+        into the coroutine before its `try`): end the run here, or it would stay CANCELLING for good."""
+        if task.cancelled() and slot.cancel_requested and slot.run.state not in TERMINAL:
+            slot.run.end(pb.RUN_STATE_CANCELLED, f"by CancelRun at step {slot.run.step}", reason="cancelled")
+            slot.run.recorder.close()
+            self._schedule()
 
     async def _execute(self, slot: _Slot) -> None:
         run = slot.run

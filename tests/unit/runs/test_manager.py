@@ -105,3 +105,55 @@ def test_records_that_do_not_fit_the_api_are_skipped_not_fatal(tmp_path):
     (tmp_path / "broken" / "run.json").write_text("{not json")
     again = manager(tmp_path)
     assert [r.run_id for r in again.list_protos()] == ["fine"]
+
+
+def test_a_run_cancelled_before_its_task_starts_ends_cancelled(tmp_path):
+    """CancelRun right after the run started (its task created, not yet run) once left it CANCELLING for
+    good and held the queue behind it."""
+    async def main():
+        m = manager(tmp_path)
+        first = await m.submit(SPEC, "first", False)
+        second = await m.submit(SPEC, "second", False)
+        while first.state != pb.RUN_STATE_RUNNING:
+            await asyncio.sleep(0)
+        m.cancel("first")  # the same tick the task was created in: it has not taken a step
+        assert (await until_done(m, "first")).state == pb.RUN_STATE_CANCELLED
+        assert (await until_done(m, "second")).state == pb.RUN_STATE_SUCCEEDED
+        assert first.ledger.balanced() and second.ledger.balanced()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_submits_cancels_and_resumes_all_end_with_balanced_ledgers(tmp_path, seed):
+    """Runs whose bodies take random times, with cancels and resumes fired at random moments: every run
+    reaches a final state within a bound, and every ledger balances."""
+    import random
+
+    rng = random.Random(seed)
+
+    async def body(run):
+        run.ledger.generate(8)
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        run.ledger.train(8)
+        run.step = run.spec.grpo.max_num_steps
+
+    async def main():
+        m = RunManager(tmp_path, body, RefuseByName(None), preflight_timeout_s=5)
+        ids = [f"r{i}" for i in range(20)]
+        for run_id in ids:
+            await m.submit(SPEC, run_id, False)
+            for _ in range(rng.randint(0, 3)):
+                target = rng.choice(ids[:ids.index(run_id) + 1])
+                action = rng.choice(["cancel", "resume", "wait"])
+                if action == "cancel":
+                    m.cancel(target)
+                elif action == "resume" and m.get(target).state in TERMINAL:
+                    try:
+                        await m.submit(SPEC.replace("max_num_steps: 2", "max_num_steps: 3"), target, True)
+                    except RpcError:
+                        pass  # a finished run may be resumed only to extend it once
+                await asyncio.sleep(rng.uniform(0, 0.005))
+        for run_id in ids:
+            run = await until_done(m, run_id)
+            assert run.state in TERMINAL and run.ledger.in_flight == 0, run
+    asyncio.run(main())
