@@ -49,9 +49,13 @@ class CoordinatorArgs(BaseModel):
     preflight_timeout_s: float = Field(300.0, gt=0)
     # Largest JSONL data file a spec may name.
     max_data_file_mb: int = Field(512, ge=1)
+    # A WatchRun stream ends after this long (clients continue from the next event); none is held for good.
+    watch_max_s: float = Field(600.0, gt=0)
 
 
-@serve.deployment(max_ongoing_requests=64)
+# Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
+# (rlserve.gateway.limits); this bounds them all together.
+@serve.deployment(max_ongoing_requests=4096)
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -97,7 +101,7 @@ class Coordinator:
     @grpc_method
     async def WatchRun(self, request: pb.WatchRunRequest):
         run = self.manager.get(request.run_id)
-        async for ev in run.watch(request.from_sequence):
+        async for ev in run.watch(request.from_sequence, self.args.watch_max_s):
             yield pb.WatchRunResponse(event=ev)
 
 

@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.gateway import server
+from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.methods import RpcMethod
 from rlserve.logs import event, setup_logging
 from rlserve.security.tokens import Role, TokenStore
@@ -54,6 +55,8 @@ class GatewayArgs(BaseModel):
     expose_internal: bool = False
     apps: dict[str, str] = {}
     max_message_mb: int = Field(64, ge=1, le=1024)
+    # Per-caller limits (the cluster file's `limits`).
+    limits: CallerLimits = CallerLimits()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)
@@ -73,6 +76,7 @@ class Gateway:
         self.server = await server.start(
             server.GatewayConfig(host=self.args.host, port=self.args.port, tokens=tokens,
                                  expose_internal=self.args.expose_internal, apps=self.args.apps,
+                                 limits=self.args.limits,
                                  cert_file=Path(tls.cert_file) if tls else None,
                                  key_file=Path(tls.key_file) if tls else None,
                                  max_message_mb=self.args.max_message_mb),

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
+from rlserve.gateway.limits import CallerLimits
 
 
 class ServiceCfg(BaseModel):
@@ -134,6 +135,9 @@ class ClusterFile(BaseModel):
     tls: TlsCfg | None = None
     # Also serve Learner, Rollout, Reference and Reward on the public endpoint, to admin tokens only.
     expose_internal: bool = False
+    # What one caller (a token) may take of the endpoint: open streams, calls in flight, calls per
+    # second (a token bucket), request size (rlserve.gateway.limits); over a limit: RESOURCE_EXHAUSTED.
+    limits: CallerLimits = CallerLimits()
     reward: RewardPolicyCfg = RewardPolicyCfg()
     services: ServicesCfg = ServicesCfg()
 

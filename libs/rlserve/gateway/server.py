@@ -22,10 +22,11 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from rlserve.gateway.limits import CallerLimits, Limiter, OverLimit
 from rlserve.gateway.methods import RpcMethod, all_methods
 from rlserve.logs import event
 from rlserve.rpc import clean, status_of
-from rlserve.security.tokens import Role, TokenStore, bearer_token
+from rlserve.security.tokens import Role, TokenStore, bearer_token, digest
 
 log = logging.getLogger("rlserve.gateway")
 
@@ -43,6 +44,7 @@ class GatewayConfig:
     tokens: TokenStore | None
     expose_internal: bool
     apps: dict[str, str]
+    limits: CallerLimits
     cert_file: Path | None = None
     key_file: Path | None = None
     max_message_mb: int = 64
@@ -55,16 +57,21 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED without a valid token; PERMISSION_DENIED for an internal RPC without an admin token."""
+    """UNAUTHENTICATED without a valid token; PERMISSION_DENIED for an internal RPC without an admin token;
+    every admitted call within its caller's limits (`limits.py`)."""
 
-    def __init__(self, tokens: TokenStore | None, methods: dict[str, RpcMethod]):
+    def __init__(self, tokens: TokenStore | None, methods: dict[str, RpcMethod], limiter: Limiter):
         self.tokens = tokens
         self.methods = methods
+        self.limiter = limiter
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if self.tokens is None or details.method in _OPEN:
+        if details.method in _OPEN:
             return await continuation(details)
-        role = self.tokens.role_of(bearer_token(details.invocation_metadata))
+        token = bearer_token(details.invocation_metadata)
+        if self.tokens is None:
+            return _limited(await continuation(details), self.limiter, None, self.methods.get(details.method))
+        role = self.tokens.role_of(token)
         if role is None:
             event(log, "gateway.unauthenticated", logging.WARNING, method=clean(details.method)[:200])
             return _deny(grpc.StatusCode.UNAUTHENTICATED,
@@ -75,7 +82,44 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             event(log, "gateway.forbidden", logging.WARNING, method=details.method)
             return _deny(grpc.StatusCode.PERMISSION_DENIED, f"{details.method} is an internal RPC: it needs an "
                                                             f"admin token")
-        return await continuation(details)
+        return _limited(await continuation(details), self.limiter, digest(token).hex()[:16], method)
+
+
+def _limited(handler: grpc.RpcMethodHandler | None, limiter: Limiter, caller: str | None,
+             method: RpcMethod | None) -> grpc.RpcMethodHandler | None:
+    """`handler` run within the caller's limits: a slot taken before the request is decoded, given back
+    when the call (or the stream) ends. `caller` None (no authentication): the peer's address."""
+    if handler is None or method is None:
+        return handler  # grpcio answers UNIMPLEMENTED
+
+    def admit(raw: bytes, context: grpc.aio.ServicerContext) -> str:
+        key = caller or context.peer().rsplit(":", 1)[0]
+        limiter.admit(key, method.server_streaming, len(raw), method.public)
+        return key
+
+    if method.server_streaming:
+        async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            try:
+                key = admit(raw, context)
+            except OverLimit as err:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            try:
+                async for item in handler.unary_stream(raw, context):
+                    yield item
+            finally:
+                limiter.release(key, streaming=True)
+        return grpc.unary_stream_rpc_method_handler(stream)
+
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            key = admit(raw, context)
+        except OverLimit as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        try:
+            return await handler.unary_unary(raw, context)
+        finally:
+            limiter.release(key, streaming=False)
+    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def _decode(method: RpcMethod, raw: bytes) -> Message | None:
@@ -129,10 +173,14 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     methods = served_methods(cfg)
     limit = cfg.max_message_mb * 2**20
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods})],
+        interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods}, Limiter(cfg.limits))],
         # No port sharing: another process of this user must not be able to bind the endpoint too.
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                 ("grpc.max_send_message_length", limit)])
+                 ("grpc.max_send_message_length", limit),
+                 # Pings on quiet connections: a client that vanished without closing its streams is
+                 # noticed within ~80 s and its stream slots are given back.
+                 ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
     by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
     for m in methods:
         handler = _stream_handler(m, forward_stream) if m.server_streaming else _unary_handler(m, forward)

@@ -95,11 +95,19 @@ class Run:
                       {f"dropped/{reason}": float(n)})
         self.set_state(state, detail)
 
-    async def watch(self, from_sequence: int) -> AsyncIterator[pb.RunEvent]:
+    async def watch(self, from_sequence: int, max_s: float) -> AsyncIterator[pb.RunEvent]:
+        """Events from `from_sequence` on, until the run ends or `max_s` pass (the caller then continues
+        from the next sequence number: a stream never holds the service for good)."""
         seq = from_sequence
+        deadline = time.monotonic() + max_s
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: len(self.events) > seq or self.state in TERMINAL)
+                try:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: len(self.events) > seq or self.state in TERMINAL),
+                        max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    return
             while seq < len(self.events):
                 yield self.events[seq]
                 seq += 1

@@ -24,6 +24,7 @@ from rlserve.security.certs import self_signed
 from rlserve.security.tokens import Role, TokenStore, new_token
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+from rlserve.gateway.limits import CallerLimits
 from tests.support.dist import free_port
 
 
@@ -35,7 +36,8 @@ def _write(path: Path, *tokens: str) -> None:
 class Gateway:
     """A gateway server on its own event loop thread, with a counting in-process forwarder."""
 
-    def __init__(self, tmp_path: Path, expose_internal: bool = False, tls: bool = False, auth: bool = True):
+    def __init__(self, tmp_path: Path, expose_internal: bool = False, tls: bool = False, auth: bool = True,
+                 limits: CallerLimits = CallerLimits()):
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.user, self.admin = new_token(), new_token()
         self.user_file, self.admin_file = tmp_path / "token", tmp_path / "admin_token"
@@ -51,6 +53,7 @@ class Gateway:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         cfg = server.GatewayConfig(host="127.0.0.1", port=self.port, tokens=tokens, expose_internal=expose_internal,
+                                   limits=limits,
                                    apps={}, cert_file=self.cert, key_file=self.key)
         self.server = self._run(server.start(cfg, self._forward, self._forward_stream))
 
@@ -71,6 +74,8 @@ class Gateway:
 
     async def _forward_stream(self, method, request):
         self.calls.append(method.name)
+        if request.from_sequence == 10**12:  # an idle watcher: the stream stays open, sending nothing
+            await asyncio.sleep(3600)
         for i in range(3):
             yield pb.WatchRunResponse(event=pb.RunEvent(sequence=i, run_id=request.run_id))
 
@@ -186,3 +191,44 @@ def test_auth_none_lets_every_call_through(gateway):
     g = gateway(auth=False)
     ch, _ = g.channel()
     assert coordinator_pb2_grpc.CoordinatorStub(ch).GetRun(pb.GetRunRequest(run_id="o")).run.run_id == "o"
+
+
+def test_one_caller_cannot_hold_every_stream_or_call(gateway):
+    """Idle WatchRun streams once held every slot of the coordinator (80 of them made everyone's GetRun
+    time out): a caller's streams beyond its limit are refused at once, and another caller, and the
+    same caller's unary calls, go through."""
+    g = gateway(limits=CallerLimits(max_streams=3))
+    ch, md = g.channel(g.user)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    idle = [stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12), metadata=md) for _ in range(3)]
+    deadline = time.time() + 10
+    while g.calls.count("WatchRun") < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    err = _code(lambda: list(stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12), metadata=md,
+                                            timeout=5)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in err.details()
+    assert stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=md, timeout=5).run.run_id == "r"
+    other = coordinator_pb2_grpc.CoordinatorStub(g.channel(g.admin)[0])
+    events = list(other.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=g.channel(g.admin)[1], timeout=5))
+    assert len(events) == 3
+    for call in idle:
+        call.cancel()
+
+
+def test_oversized_requests_and_floods_get_resource_exhausted_before_forwarding(gateway):
+    g = gateway(limits=CallerLimits(max_request_kb=256, rate=5, burst=5))
+    ch, md = g.channel(g.user)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    err = _code(lambda: stub.SubmitRun(pb.SubmitRunRequest(spec_yaml="a" * (300 * 1024)), metadata=md))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
+    assert "SubmitRun" not in g.calls
+    codes = []
+    for _ in range(10):
+        try:
+            stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=md)
+            codes.append("ok")
+        except grpc.RpcError as e:
+            codes.append(e.code())
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 4 and codes[:4] == ["ok"] * 4
+    other = coordinator_pb2_grpc.CoordinatorStub(g.channel(g.admin)[0])
+    assert other.GetRun(pb.GetRunRequest(run_id="r"), metadata=g.channel(g.admin)[1]).run.run_id == "r"

@@ -13,7 +13,7 @@ from rlserve.config import spec_to_yaml
 from rlserve.config.spec import RunSpec
 from rlserve.runs.ledger import Ledger
 from rlserve.runs.manager import Admission, RunManager
-from rlserve.runs.record import Run
+from rlserve.runs.record import TERMINAL, Run
 from rlserve.runs.recorder import Recorder
 from rlserve.v1 import coordinator_pb2 as pb
 
@@ -171,3 +171,19 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
         assert json.loads((tmp_path / "b" / "run.json").read_text())["state"] == "running"
 
     asyncio.run(scenario())
+
+
+def test_a_watch_ends_after_its_lifetime_and_continues_from_the_next_event(tmp_path):
+    """An idle WatchRun stream (from a sequence far ahead, or a run that makes no progress) once held a
+    coordinator slot for as long as the client kept it open; now it ends after `max_s`."""
+    async def main():
+        run = Run("w", RunSpec(), tmp_path / "w")
+        run.emit(pb.EVENT_KIND_INFO, "one")
+        seen = [ev.message async for ev in run.watch(0, max_s=0.05)]
+        assert seen == ["one"] and run.state not in TERMINAL
+        assert [ev async for ev in run.watch(10**12, max_s=0.05)] == []
+        run.emit(pb.EVENT_KIND_INFO, "two")
+        run.set_state(pb.RUN_STATE_CANCELLED, "test")
+        later = [ev.message async for ev in run.watch(1, max_s=60)]
+        assert later[0] == "two" and later[-1].startswith("cancelled")
+    asyncio.run(main())
