@@ -105,9 +105,9 @@ class LoraCfg(Section):
 
     enabled: bool = False
     # The rank r.
-    dim: int = Field(32, ge=1, le=MAX_LORA_RANK)
+    dim: int = Field(16, ge=1, le=MAX_LORA_RANK)
     # The scale's numerator; unset: 2 x dim.
-    alpha: float = Field(64.0, gt=0, le=1e6)
+    alpha: float = Field(32.0, gt=0, le=1e6)
     dropout: float = Field(0.0, ge=0, lt=1)
     # The model's own module names (q_proj, ..., down_proj for Llama-shaped models); with
     # match_all_linear, every linear layer of attention and MLP (never embeddings or the head).
