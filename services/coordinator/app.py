@@ -49,6 +49,8 @@ class CoordinatorArgs(BaseModel):
     preflight_timeout_s: float = Field(300.0, gt=0)
     # Largest JSONL data file a spec may name.
     max_data_file_mb: int = Field(512, ge=1)
+    # Runs waiting to start; a SubmitRun beyond it gets RESOURCE_EXHAUSTED.
+    max_queued_runs: int = Field(64, ge=1, le=100_000)
     # A WatchRun stream ends after this long (clients continue from the next event); none is held for good.
     watch_max_s: float = Field(600.0, gt=0)
 
@@ -64,7 +66,8 @@ class Coordinator:
         admission = GrpoAdmission(self.args.paths.policy(), PluginPolicy(self.args.allowed_plugins),
                                   self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
-                                  self.args.preflight_timeout_s, self.args.resume_on_restart)
+                                  self.args.preflight_timeout_s, self.args.resume_on_restart,
+                                  self.args.max_queued_runs)
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy) -> RunServices:
         return ServeServices(self.args.apps, reward_endpoint, policy, on_retry=lambda msg: None)

@@ -109,6 +109,11 @@ def node_marker(name: str) -> str:
     return f"rlserve_node_{name}"
 
 
+# Every process of the cluster writes its files for this user only: run folders 0700, files 0600
+# (specs, events, checkpoints, models: a run's data is its owner's).
+PRIVATE_UMASK = 0o077
+
+
 def start_head(cluster: Cluster) -> None:
     """Start `ray start --head --block` in its own session; its pid file lets `down` stop exactly it."""
     cfg = cluster.cfg
@@ -129,7 +134,7 @@ def start_head(cluster: Cluster) -> None:
     else:
         cmd.append("--include-dashboard=false")
     log = open(cluster.state_dir / "ray-head.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK,
                             env={**os.environ, **cluster.env()})
     (cluster.state_dir / "head.pid").write_text(f"{proc.pid}\n")
     try:
@@ -155,7 +160,7 @@ def start_node(cluster: Cluster, index: int) -> None:
            # Ray's fixed default would collide with the head's (and other nodes') agent on one machine.
            f"--dashboard-agent-listen-port={cfg.ray_port + 10 + index}"]
     log = open(cluster.state_dir / f"ray-node-{node.name}.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK,
                             env={**os.environ, **cluster.env()})
     log.close()
     pid_file.write_text(f"{proc.pid}\n")

@@ -31,12 +31,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from rlserve.config import RunSpec, SpecError, load_spec, spec_to_yaml
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
 from rlserve.runs.record import STATE_NAMES, TERMINAL, Run
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
+# Finished runs whose events stay in memory (the newest ones; the others' are read back when asked).
+EVENTS_KEPT = 16
 # A run id is a folder name inside the runs directory: no separators, no '..', not hidden.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -79,12 +83,13 @@ def check_run_id(run_id: str) -> None:
 
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
-                 resume_on_restart: bool = True):
+                 resume_on_restart: bool = True, max_queued_runs: int = 64):
         self.runs_dir = runs_dir
         self.body = body
         self.admission = admission
         self.preflight_timeout_s = preflight_timeout_s
         self.resume_on_restart = resume_on_restart
+        self.max_queued_runs = max_queued_runs
         self._slots: dict[str, _Slot] = {}
         self.queue: list[str] = []
         self.closing = False
@@ -122,8 +127,14 @@ class RunManager:
                        else "the coordinator's resume_on_restart is off")
                 run.end(pb.RUN_STATE_FAILED, f"the coordinator stopped while the run was {was} ({why}); resume "
                         f"with `rlserve submit --resume {run.run_id}`", reason="failed")
+        self._forget_old_events()
         if self.queue:
             self._schedule()
+
+    def _forget_old_events(self) -> None:
+        finished = sorted((s.run for s in self._slots.values() if s.run.state in TERMINAL), key=lambda r: r.updated)
+        for run in finished[:-EVENTS_KEPT]:
+            run.forget_events()
 
     def _load_spec(self, spec_yaml: str) -> RunSpec:
         """Parsing runs in a worker thread (its cost is bounded, `rlserve.config.load_spec`), so one
@@ -166,6 +177,9 @@ class RunManager:
     async def submit(self, spec_yaml: str, run_id: str, resume: bool) -> Run:
         if resume and not run_id:
             raise invalid_argument("run_id", "required with resume")
+        if len(self.queue) >= self.max_queued_runs:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.queue)} runs are queued already, the "
+                           f"most this coordinator holds (max_queued_runs); submit when some have started")
         if run_id:
             check_run_id(run_id)
         if resume:
@@ -302,4 +316,5 @@ class RunManager:
             run.emit(pb.EVENT_KIND_ERROR, message)
             run.end(pb.RUN_STATE_FAILED, message, reason="failed")
         run.recorder.close()
+        self._forget_old_events()
         self._schedule()

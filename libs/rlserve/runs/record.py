@@ -42,13 +42,26 @@ class Run:
         self.created = self.updated = time.time()
         self.final_model_path = ""
         self.plot_path = ""
-        self.events: list[pb.RunEvent] = []
+        self._events: list[pb.RunEvent] | None = []
         self._changed = asyncio.Condition()
         self.recorder = Recorder(run_dir, spec.logger.tensorboard_enabled)
         # Non-empty: the next start continues from the last checkpoint, and this says why.
         self.resume_reason = ""
 
     # --- events --------------------------------------------------------------
+
+    @property
+    def events(self) -> list[pb.RunEvent]:
+        """Every event so far (read back from events.jsonl when `forget_events` let them go)."""
+        if self._events is None:
+            self._load_events()
+        return self._events
+
+    def forget_events(self) -> None:
+        """Drop the in-memory copy of a finished run's events (they are on disk): a coordinator that has run
+        hundreds of runs keeps their records, not their histories."""
+        if self.state in TERMINAL:
+            self._events = None
 
     def emit(self, kind: int, message: str, metrics: dict[str, float] | None = None, step: int | None = None) -> None:
         ev = pb.RunEvent(sequence=len(self.events), time_unix=time.time(), run_id=self.run_id,
@@ -65,7 +78,7 @@ class Run:
 
     def _load_events(self) -> None:
         """events.jsonl as written by `emit`; sequence numbers are positions, so new events continue them."""
-        self.events = [pb.RunEvent(sequence=i, time_unix=r["time"], run_id=self.run_id, step=r["step"],
+        self._events = [pb.RunEvent(sequence=i, time_unix=r["time"], run_id=self.run_id, step=r["step"],
                                    kind=_KINDS.get(r["kind"], pb.EVENT_KIND_UNSPECIFIED), message=r["message"],
                                    metrics=r["metrics"], state=_STATES.get(r.get("state", ""), 0))
                        for i, r in enumerate(self.recorder.read("events.jsonl"))]

@@ -19,12 +19,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.gateway import server
+from rlserve.gateway.limits import CallerLimits
 from rlserve.rpc import not_found
 from rlserve.security.certs import self_signed
 from rlserve.security.tokens import Role, TokenStore, new_token
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from rlserve.gateway.limits import CallerLimits
 from tests.support.dist import free_port
 
 

@@ -157,3 +157,26 @@ def test_random_submits_cancels_and_resumes_all_end_with_balanced_ledgers(tmp_pa
             run = await until_done(m, run_id)
             assert run.state in TERMINAL and run.ledger.in_flight == 0, run
     asyncio.run(main())
+
+
+def test_the_queue_is_bounded(tmp_path):
+    class Slow(Admission):
+        def __init__(self):
+            self.go = asyncio.Event()
+
+        async def preflight(self, spec):
+            await self.go.wait()
+
+    async def main():
+        admission = Slow()
+        m = RunManager(tmp_path, lambda run: asyncio.sleep(0), admission, preflight_timeout_s=30, max_queued_runs=2)
+        await m.submit(SPEC, "a", False)
+        await m.submit(SPEC, "b", False)
+        with pytest.raises(RpcError) as err:
+            await m.submit(SPEC, "c", False)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_runs" in err.value.message
+        admission.go.set()
+        assert (await until_done(m, "b")).state == pb.RUN_STATE_SUCCEEDED
+        await m.submit(SPEC, "c", False)  # room again
+        assert (await until_done(m, "c")).state == pb.RUN_STATE_SUCCEEDED
+    asyncio.run(main())

@@ -187,3 +187,14 @@ def test_a_watch_ends_after_its_lifetime_and_continues_from_the_next_event(tmp_p
         later = [ev.message async for ev in run.watch(1, max_s=60)]
         assert later[0] == "two" and later[-1].startswith("cancelled")
     asyncio.run(main())
+
+
+def test_finished_runs_forget_their_events_and_read_them_back(tmp_path):
+    run = _left_running(tmp_path, "old")
+    run.end(pb.RUN_STATE_SUCCEEDED)
+    before = [(ev.sequence, ev.message) for ev in run.events]
+    run.forget_events()
+    assert run._events is None
+    assert [(ev.sequence, ev.message) for ev in run.events] == before  # read back from events.jsonl
+    run.emit(pb.EVENT_KIND_INFO, "after")  # sequence numbers continue
+    assert run.events[-1].sequence == len(before)
