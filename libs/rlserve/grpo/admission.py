@@ -24,7 +24,7 @@ from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.grpo.retry import RetryPolicy
-from rlserve.grpo.services import RunServices, ServiceFailure
+from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
 from rlserve.learner.lora import LoraMismatch, check_lora
 from rlserve.learner.registry import UnsupportedModel, check_model
 from rlserve.models import hf_config, resolve_model
@@ -70,10 +70,12 @@ class GrpoAdmission(Admission):
         services = self.connect(None, RetryPolicy(retries=1, timeout_s=30))
         try:
             info = await services.rollout_info()
+            capacity = await services.capacity()
         except ServiceFailure as err:
             raise failed_precondition(f"the rollout service does not answer: {err}") from None
         finally:
             await services.close()
+        self._check_resources(spec, capacity)
         spec, problems = match_generation(spec, info)
         if problems:
             raise failed_precondition("; ".join(problems))
@@ -82,6 +84,21 @@ class GrpoAdmission(Admission):
                                       f" exceeds the rollout's max_model_len {info.max_model_len}")
         self._check_lora_serving(spec, info)
         return spec
+
+    @staticmethod
+    def _check_resources(spec: RunSpec, capacity: Capacity) -> None:
+        """The learner's workers must fit the cluster (else they would wait for resources that never come)."""
+        cl = spec.cluster
+        cpus, gpus = cl.num_workers * cl.cpus_per_worker, cl.num_workers * cl.gpus_per_worker
+        if cpus > capacity.cpus:
+            raise failed_precondition(f"cluster.num_workers x cluster.cpus_per_worker: {cl.num_workers} x "
+                                      f"{cl.cpus_per_worker:g} = {cpus:g} CPUs; the cluster has {capacity.cpus:g}")
+        if gpus > capacity.gpus:
+            raise failed_precondition(f"cluster.num_workers x cluster.gpus_per_worker: {cl.num_workers} x "
+                                      f"{cl.gpus_per_worker:g} = {gpus:g} GPUs; the cluster has {capacity.gpus:g}")
+        if cl.torch_threads > capacity.node_cpus:
+            raise failed_precondition(f"cluster.torch_threads: {cl.torch_threads} threads per worker; a node of "
+                                      f"this cluster has at most {capacity.node_cpus:g} CPUs")
 
     @staticmethod
     def _check_lora_serving(spec: RunSpec, info: rollout_pb2.GetInfoResponse) -> None:
