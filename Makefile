@@ -8,7 +8,7 @@ setup:
 
 # The whole suite: unit, distributed (gloo), engines (vLLM CPU) and integration (one shared local Ray cluster).
 test: setup
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=25
 
 # Without the shared Ray cluster.
 test-fast: setup

@@ -5,11 +5,11 @@ vLLM rollout replicas started with LoRA serving on (fp32). Two learner sessions 
 version timed from `ExportWeights` until both replicas serve it:
   - full: every weight, sent straight to both engines through vLLM's weight-transfer API (the gloo
     engine) plus the store copy, the way full-parameter runs refit;
-  - lora: the rank-32 adapter of every linear layer of attention and MLP, through the weight store
+  - lora: the adapter (rank `--rank`, default 16) of every linear layer of attention and MLP, through the weight store
     (each replica writes it as a PEFT folder in /dev/shm and vLLM loads it in place).
 Prints a table (seconds and bytes, and LoRA's share of full) and writes bench-results/refit_lora.json.
 
-    .venv/bin/python scripts/bench/refit_lora.py [--presets small medium] [--repeats 3] [--rank 32]
+    .venv/bin/python scripts/bench/refit_lora.py [--presets small medium] [--repeats 3] [--rank 16]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--presets", nargs="+", default=["small", "medium"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
 
     import grpc

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.bench.common import record, table  # noqa: E402
 
-SETTINGS = [("no LoRA", 0, 0), ("LoRA", 8, 8), ("LoRA", 32, 32), ("LoRA", 8, 32), ("LoRA", 32, 64)]
+SETTINGS = [("no LoRA", 0, 0), ("LoRA", 8, 8), ("LoRA", 16, 16), ("LoRA", 32, 32), ("LoRA", 8, 32), ("LoRA", 32, 64)]
 CALLS = 3
 
 
