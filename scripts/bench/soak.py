@@ -131,9 +131,8 @@ async def abuse(endpoint: str, token: str, run_id: str, seconds: float) -> dict[
         while time.monotonic() < stop:
             await asyncio.gather(*(spec(slow) for _ in range(4)), *(spec(huge) for _ in range(4)))
         for s in streams:
-            code = s.code() if s.done() else None
-            answers[f"watch:{code.name if code else 'open'}"] = answers.get(f"watch:{code.name if code else 'open'}",
-                                                                             0) + 1
+            key = f"watch:{(await s.code()).name}" if s.done() else "watch:open"
+            answers[key] = answers.get(key, 0) + 1
             s.cancel()
     return answers
 
@@ -222,6 +221,7 @@ def main() -> None:
                          "max_ms": max(lat, default=float("nan")) * 1e3, "steps": len(steps),
                          "step_s": statistics.median(steps) if steps else float("nan"),
                          "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items()))})
+            print("phase", rows[-1], flush=True)
         quiet = rows[0]["step_s"]
         for row in rows:
             row["step_vs_quiet"] = row["step_s"] / quiet
