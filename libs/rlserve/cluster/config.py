@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlserve.config.errors import SpecError, format_validation_error
 from rlserve.gateway.limits import CallerLimits
+from rlserve.runs.quotas import QuotasCfg
 
 
 class ServiceCfg(BaseModel):
@@ -71,7 +72,8 @@ class NodeCfg(BaseModel):
 
 
 class AuthCfg(BaseModel):
-    """Bearer tokens of the public endpoint, one a line, in files only their owner may read."""
+    """Who may call the public endpoint: token files (one token a line, the principals `user` and `admin`)
+    and the users file (named users, `deploy/serve users`), in files only their owner may read."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -80,6 +82,9 @@ class AuthCfg(BaseModel):
     # Operators: the run-facing RPCs, and the internal services when `expose_internal` is set.
     # None: <runs_dir>/.cluster/admin_token, created by `deploy/serve up`.
     admin_token_file: str | None = None
+    # Named users: `NAME sha256:HEXDIGEST [admin]` a line, written by `deploy/serve users add|revoke`.
+    # None: <runs_dir>/.cluster/users.
+    users_file: str | None = None
 
 
 class TlsCfg(BaseModel):
@@ -100,6 +105,14 @@ class RewardPolicyCfg(BaseModel):
     allowed_plugins: list[str] = []
     # External reward servers a spec's `reward.endpoint` may name: host:port patterns (`*` globs).
     allowed_endpoints: list[str] = []
+
+
+class ClusterQuotasCfg(QuotasCfg):
+    """Per-user quotas (`rlserve.runs.quotas`): `default` and `users.NAME` entries, with the quotas file's
+    entries over them."""
+
+    # Re-read when it changes. None: <runs_dir>/.cluster/quotas.yaml.
+    file: str | None = None
 
 
 class ClusterFile(BaseModel):
@@ -135,9 +148,11 @@ class ClusterFile(BaseModel):
     tls: TlsCfg | None = None
     # Also serve Learner, Rollout, Reference and Reward on the public endpoint, to admin tokens only.
     expose_internal: bool = False
-    # What one caller (a token) may take of the endpoint: open streams, calls in flight, calls per
+    # What one caller (a user) may take of the endpoint: open streams, calls in flight, calls per
     # second (a token bucket), request size (rlserve.gateway.limits); over a limit: RESOURCE_EXHAUSTED.
     limits: CallerLimits = CallerLimits()
+    # Per-user quotas on runs (running, queued, size); over one: RESOURCE_EXHAUSTED naming it.
+    quotas: ClusterQuotasCfg = ClusterQuotasCfg()
     reward: RewardPolicyCfg = RewardPolicyCfg()
     services: ServicesCfg = ServicesCfg()
 
@@ -173,10 +188,12 @@ class ClusterFile(BaseModel):
             "model_dirs": [fix(p) for p in self.model_dirs] if self.model_dirs is not None else [str(cwd / "models")],
             "data_dirs": [fix(p) for p in self.data_dirs] if self.data_dirs is not None else [str(cwd / "data")],
             "reward": self.reward.model_copy(
-                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
+                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]}),
+            "quotas": self.quotas.model_copy(update={"file": fix(self.quotas.file)})}
         if isinstance(self.auth, AuthCfg):
             update["auth"] = AuthCfg(token_file=fix(self.auth.token_file),
-                                     admin_token_file=fix(self.auth.admin_token_file))
+                                     admin_token_file=fix(self.auth.admin_token_file),
+                                     users_file=fix(self.auth.users_file))
         if self.tls is not None:
             update["tls"] = TlsCfg(cert_file=fix(self.tls.cert_file), key_file=fix(self.tls.key_file),
                                    ca_file=fix(self.tls.ca_file))
