@@ -59,10 +59,10 @@ class CoordinatorArgs(BaseModel):
     max_queued_runs: int = Field(64, ge=1, le=100_000)
     # A WatchRun stream ends after this long (clients continue from the next event); none is held for good.
     watch_max_s: float = Field(600.0, gt=0)
-    # Per-user quotas (the cluster file's `quotas`), and the file whose entries go over them, re-read when
-    # it changes (None: none).
+    # Per-user quotas (the cluster file's `quotas` when it was deployed), and the cluster file, whose
+    # `quotas` section is re-read when it changes (None: the deployed quotas stay).
     quotas: QuotasCfg = QuotasCfg()
-    quotas_file: str | None = None
+    cluster_file: str | None = None
 
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
@@ -75,7 +75,7 @@ class Coordinator:
         self.args = CoordinatorArgs.model_validate(args or {})
         admission = GrpoAdmission(self.args.paths.policy(), PluginPolicy(self.args.allowed_plugins),
                                   self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
-        quotas = Quotas(self.args.quotas, Path(self.args.quotas_file) if self.args.quotas_file else None)
+        quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
                                   self.args.preflight_timeout_s, self.args.resume_on_restart,
                                   self.args.max_queued_runs, quotas)
@@ -97,11 +97,11 @@ class Coordinator:
     @grpc_method
     async def SubmitRun(self, request: pb.SubmitRunRequest, caller: Principal = SYSTEM) -> pb.SubmitRunResponse:
         run = await self.manager.submit(request.spec_yaml, request.run_id, request.resume, caller)
-        return pb.SubmitRunResponse(run=run.to_proto(with_owner=caller.is_admin))
+        return pb.SubmitRunResponse(run=run.to_proto())
 
     @grpc_method
     async def GetRun(self, request: pb.GetRunRequest, caller: Principal = SYSTEM) -> pb.GetRunResponse:
-        return pb.GetRunResponse(run=self.manager.get(request.run_id, caller).to_proto(with_owner=caller.is_admin))
+        return pb.GetRunResponse(run=self.manager.get(request.run_id, caller).to_proto())
 
     @grpc_method
     async def ListRuns(self, request: pb.ListRunsRequest, caller: Principal = SYSTEM) -> pb.ListRunsResponse:
@@ -111,7 +111,7 @@ class Coordinator:
     @grpc_method
     async def CancelRun(self, request: pb.CancelRunRequest, caller: Principal = SYSTEM) -> pb.CancelRunResponse:
         run = self.manager.cancel(request.run_id, caller)
-        return pb.CancelRunResponse(run=run.to_proto(with_owner=caller.is_admin))
+        return pb.CancelRunResponse(run=run.to_proto())
 
     @grpc_method
     async def WatchRun(self, request: pb.WatchRunRequest, caller: Principal = SYSTEM):

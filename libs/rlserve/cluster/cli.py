@@ -64,12 +64,12 @@ def cmd_users(args: argparse.Namespace) -> int:
         token = add_user(path, args.name, args.admin)
         print(token)
         print(f"serve: added {args.name} ({'admin' if args.admin else 'user'}) to {path}; this is the only time "
-              f"the token is shown. They pass it as RLSERVE_TOKEN or in a file of mode 0600 (`rlserve "
-              f"--token-file`).", file=sys.stderr)
+              f"the token is shown. They pass it to rlserve as RLSERVE_TOKEN, or save it in a file of mode 0600 "
+              f"and pass `--token-file FILE`.", file=sys.stderr)
     elif args.action == "revoke":
         revoke_user(path, args.name)
-        print(f"serve: revoked {args.name}: the endpoint refuses their token within ~1 s; their runs go on",
-              file=sys.stderr)
+        print(f"serve: revoked {args.name}: the endpoint refuses their token within ~1 s; their runs go on "
+              f"(`users add {args.name}` gives them a new token and their runs back)", file=sys.stderr)
     else:
         user_file, admin_file = cluster.token_files
         print(f"{'name':<33} {'role':<6} where")
@@ -81,22 +81,24 @@ def cmd_users(args: argparse.Namespace) -> int:
 
 
 def cmd_quotas(args: argparse.Namespace) -> int:
-    from rlserve.runs.quotas import limits_of, read_quotas_file
     from rlserve.security.principal import LEGACY_ADMIN, LEGACY_USER, Principal, Role
     from rlserve.security.users import read_users
 
     cluster = _cluster(args.cluster)
-    from_file = read_quotas_file(cluster.quotas_file)
-    layers = [cluster.cfg.quotas] + ([from_file] if from_file else [])
     principals = [Principal(LEGACY_USER, Role.USER), Principal(LEGACY_ADMIN, Role.ADMIN)]
     principals += [u.principal for u in read_users(cluster.users_file)] if cluster.users_file else []
-    print(f"serve: quotas file {cluster.quotas_file} (edit it: the coordinator re-reads it within ~1 s)",
-          file=sys.stderr)
-    print(f"{'name':<33} {'running':>8} {'queued':>8} {'trajectories/run':>17}")
+    principals += [Principal(name, Role.USER) for name in cluster.cfg.quotas.users
+                   if name not in {p.name for p in principals}]
+    print(f"serve: the `quotas` section of {cluster.cfg.source} (the coordinator re-reads it within ~1 s of an "
+          f"edit)", file=sys.stderr)
+    print(f"{'name':<33} {'concurrent':>10} {'queued':>8} {'samples/run':>13}")
     for p in principals:
-        limits = limits_of(p, layers)
-        print(f"{p.name:<33} " + ("not limited (admin)" if limits is None else
-              f"{limits.max_running_runs:>8} {limits.max_queued_runs:>8} {limits.max_trajectories_per_run:>17}"))
+        limits = cluster.cfg.quotas.limits(p)
+        if limits is None:
+            print(f"{p.name:<33} not limited (admin)")
+        else:
+            q = limits.values
+            print(f"{p.name:<33} {q.max_concurrent_runs:>10} {q.max_queued_runs:>8} {q.max_samples_per_run:>13}")
     return 0
 
 
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin", action="store_true", help="add: an admin (every run, the internal services)")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_users)
-    p = sub.add_parser("quotas", help="each user's quotas (the cluster file's, with the quotas file's over them)")
+    p = sub.add_parser("quotas", help="each user's quotas (the cluster file's `quotas` section)")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_quotas)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")

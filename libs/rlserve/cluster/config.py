@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
 from rlserve.gateway.limits import CallerLimits
@@ -107,14 +107,6 @@ class RewardPolicyCfg(BaseModel):
     allowed_endpoints: list[str] = []
 
 
-class ClusterQuotasCfg(QuotasCfg):
-    """Per-user quotas (`rlserve.runs.quotas`): `default` and `users.NAME` entries, with the quotas file's
-    entries over them."""
-
-    # Re-read when it changes. None: <runs_dir>/.cluster/quotas.yaml.
-    file: str | None = None
-
-
 class ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -151,10 +143,18 @@ class ClusterFile(BaseModel):
     # What one caller (a user) may take of the endpoint: open streams, calls in flight, calls per
     # second (a token bucket), request size (rlserve.gateway.limits); over a limit: RESOURCE_EXHAUSTED.
     limits: CallerLimits = CallerLimits()
-    # Per-user quotas on runs (running, queued, size); over one: RESOURCE_EXHAUSTED naming it.
-    quotas: ClusterQuotasCfg = ClusterQuotasCfg()
+    # Per-user quotas on runs (rlserve.runs.quotas: unfinished runs, queued runs, samples per run), a
+    # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
+    # this section when the file changes: no restart.
+    quotas: QuotasCfg = QuotasCfg()
     reward: RewardPolicyCfg = RewardPolicyCfg()
     services: ServicesCfg = ServicesCfg()
+    # The file this was read from (`load_cluster_file`): the coordinator re-reads its quotas there.
+    _source: Path | None = PrivateAttr(None)
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
 
     @field_validator("nodes")
     @classmethod
@@ -188,8 +188,7 @@ class ClusterFile(BaseModel):
             "model_dirs": [fix(p) for p in self.model_dirs] if self.model_dirs is not None else [str(cwd / "models")],
             "data_dirs": [fix(p) for p in self.data_dirs] if self.data_dirs is not None else [str(cwd / "data")],
             "reward": self.reward.model_copy(
-                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]}),
-            "quotas": self.quotas.model_copy(update={"file": fix(self.quotas.file)})}
+                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
         if isinstance(self.auth, AuthCfg):
             update["auth"] = AuthCfg(token_file=fix(self.auth.token_file),
                                      admin_token_file=fix(self.auth.admin_token_file),
@@ -212,6 +211,7 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
     except ValidationError as err:
         raise SpecError(format_validation_error(err, ClusterFile)) from None
     cfg = cfg.with_absolute_paths(path.parent.resolve())
+    cfg._source = path.resolve()
     return cfg, Path(cfg.runs_dir)
 
 

@@ -28,7 +28,6 @@ from rlserve.cluster.serve_config import (
     APPS,
     app_args,
     args_version,
-    quotas_file,
     serve_config,
     state_dir,
     token_files,
@@ -56,11 +55,6 @@ class Cluster:
     def users_file(self) -> Path | None:
         """Named users and their token digests (`deploy/serve users`); None with `auth: none`."""
         return users_file(self.cfg, self.runs_dir)
-
-    @property
-    def quotas_file(self) -> Path:
-        """Per-user quotas over the cluster file's, re-read by the coordinator when it changes."""
-        return quotas_file(self.cfg, self.runs_dir)
 
     @property
     def ca_file(self) -> Path | None:

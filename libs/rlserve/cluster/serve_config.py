@@ -32,7 +32,7 @@ GATEWAY_NUM_CPUS = 0.05
 
 
 def state_dir(runs_dir: Path) -> Path:
-    """Cluster state (head pid, logs, deployed config, default token, users and quotas files)."""
+    """Cluster state (head pid, logs, deployed config, default token and users files)."""
     return runs_dir / ".cluster"
 
 
@@ -49,10 +49,6 @@ def users_file(cfg: ClusterFile, runs_dir: Path) -> Path | None:
     if cfg.auth == "none":
         return None
     return Path(cfg.auth.users_file or state_dir(runs_dir) / "users")
-
-
-def quotas_file(cfg: ClusterFile, runs_dir: Path) -> Path:
-    return Path(cfg.quotas.file or state_dir(runs_dir) / "quotas.yaml")
 
 
 def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
@@ -77,8 +73,9 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         args["allowed_plugins"] = list(cfg.reward.allowed_plugins)
     if name == "coordinator":
         args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
-        args["quotas"] = cfg.quotas.model_dump(exclude={"file"}, exclude_none=True)
-        args["quotas_file"] = str(quotas_file(cfg, runs_dir))
+        args["quotas"] = cfg.quotas.model_dump(exclude_none=True)
+        # Re-read by the coordinator when it changes (its quotas); None for a config built in code.
+        args["cluster_file"] = str(cfg.source) if cfg.source else None
     if name == "gateway":
         args.update(_gateway(cfg, runs_dir))
         # One replica on the head node: it binds the endpoint's port, and stops before a new one starts.

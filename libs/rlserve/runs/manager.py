@@ -21,8 +21,8 @@ Another user's run answers exactly what a run that does not exist answers
 (NOT_FOUND, the same message), a new run's id starts with its owner's name
 (`alice.exp1`), so ALREADY_EXISTS only ever names the caller's own runs, and
 a spec may name only the caller's own run folders. Admins see every run and
-its owner. Per-user quotas (`quotas.py`) bound queued runs, running runs and
-the size of a run.
+its owner. Per-user quotas (`quotas.py`) bound a user's unfinished runs, their
+queued runs and the size of a run.
 
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
 A run that ends has a balanced ledger: what was in flight when it failed or
@@ -36,7 +36,6 @@ import logging
 import re
 import secrets
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ import grpc
 from rlserve.config import RunSpec, SpecError, load_spec, spec_to_yaml
 from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
-from rlserve.runs.quotas import Quotas, QuotasCfg
+from rlserve.runs.quotas import Quotas
 from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run
 from rlserve.security.paths import RunAccess
 from rlserve.security.principal import SYSTEM, Principal
@@ -116,17 +115,15 @@ def _not_found(run_id: str) -> RpcError:
 
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
-                 resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None,
-                 concurrency: int = 1):
+                 resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None):
         self.runs_dir = runs_dir
         self.body = body
         self.admission = admission
         self.preflight_timeout_s = preflight_timeout_s
         self.resume_on_restart = resume_on_restart
         self.max_queued_runs = max_queued_runs
-        self.quotas = quotas or Quotas(QuotasCfg(), None)
-        # Runs at once: the rollout and learner services hold one policy each, so the coordinator runs 1.
-        self.concurrency = concurrency
+        # None: no per-user quotas (the coordinator always passes the cluster file's).
+        self.quotas = quotas
         self._slots: dict[str, _Slot] = {}
         self.queue: list[str] = []
         self.closing = False
@@ -183,7 +180,7 @@ class RunManager:
 
     def _visible(self, run_id: str, caller: Principal) -> _Slot | None:
         slot = self._slots.get(run_id)
-        return slot if slot is not None and caller.may_access(slot.run.owner.name) else None
+        return slot if slot is not None and caller.may_access(slot.run.owner) else None
 
     def _run_access(self, caller: Principal) -> RunAccess | None:
         """The run folders a spec of `caller` may name: their own runs' (every one for an admin)."""
@@ -234,8 +231,11 @@ class RunManager:
         # servers allow-listed.
         return await self.admission.check(spec, self._run_access(caller)), run_id
 
-    def _queued_of(self, caller: Principal) -> int:
-        return sum(self._slots[run_id].run.owner.name == caller.name for run_id in self.queue)
+    def _counts(self, caller: Principal) -> tuple[int, int]:
+        """`caller`'s runs that have not finished, and those of them that wait in the queue."""
+        mine = [s.run for s in self._slots.values() if s.run.owner == caller.name]
+        return (sum(r.state not in TERMINAL for r in mine),
+                sum(self._slots[run_id].run.owner == caller.name for run_id in self.queue))
 
     async def submit(self, spec_yaml: str, run_id: str, resume: bool, caller: Principal) -> Run:
         if resume and not run_id:
@@ -252,14 +252,15 @@ class RunManager:
             if run_id in self._slots:  # taken by a call of the same caller while this one was checked
                 raise already_exists(f"run {run_id!r} exists")
         # From here to the queue without an await: two calls at once cannot both take a user's last place.
-        self.quotas.check_submit(caller, spec, self._queued_of(caller))
+        if self.quotas is not None:
+            self.quotas.check_submit(caller, spec, *self._counts(caller))
         run_dir = self.runs_dir / run_id
         earlier = self._slots.get(run_id) if resume else None
         if earlier is not None:
             run = earlier.run  # it keeps its history (events, ledger, step) and owner until its checkpoint is restored
         else:
             # A resumed folder without a record has no owner on record: like runs from before owners, `user`'s.
-            run = Run(run_id, spec, run_dir, LEGACY_OWNER if resume else caller)
+            run = Run(run_id, spec, run_dir, LEGACY_OWNER if resume else caller.name)
         slot = _Slot(run)
         run.spec = spec
         if resume:
@@ -269,7 +270,7 @@ class RunManager:
         self.queue.append(run_id)
         run.set_state(pb.RUN_STATE_QUEUED)
         run.emit(pb.EVENT_KIND_INFO, f"{'resumed' if resume else 'submitted'} by {caller.name}")
-        event(log, "run.submitted", run=run_id, owner=run.owner.name, caller=caller.name, resume=resume)
+        event(log, "run.submitted", run=run_id, owner=run.owner, caller=caller.name, resume=resume)
         slot.preflight = asyncio.get_running_loop().create_task(self._preflight(slot))
         return run
 
@@ -306,10 +307,10 @@ class RunManager:
         """The runs `caller` may see (an admin: every run, with its owner)."""
         protos = []
         for slot in self._slots.values():
-            if not caller.may_access(slot.run.owner.name):
+            if not caller.may_access(slot.run.owner):
                 continue
             try:
-                protos.append(slot.run.to_proto(with_owner=caller.is_admin))
+                protos.append(slot.run.to_proto())
             except (ValueError, TypeError) as err:  # one bad record must not hide the others
                 log.warning("run %s cannot be listed: %s", slot.run.run_id, err)
         return protos
@@ -332,7 +333,7 @@ class RunManager:
         if run.state in TERMINAL or run.state == pb.RUN_STATE_CANCELLING:
             return run
         run.emit(pb.EVENT_KIND_INFO, f"CancelRun by {caller.name}")
-        event(log, "run.cancel", run=run_id, owner=run.owner.name, caller=caller.name)
+        event(log, "run.cancel", run=run_id, owner=run.owner, caller=caller.name)
         if run_id in self.queue:
             self.queue.remove(run_id)
             if slot.preflight is not None:
@@ -353,30 +354,16 @@ class RunManager:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _schedule(self) -> None:
-        """Start queued runs, in order, while fewer than `concurrency` run; a run whose owner already runs their
-        `max_running_runs` waits while later runs of other users start; the next run waits until its preflight
-        passed."""
-        while self.queue and not self.closing:
-            running = Counter(s.run.owner.name for s in self._slots.values() if s.active)
-            if sum(running.values()) >= self.concurrency:
-                return
-            head = self._next(running)
-            if head is None or not head.preflight_passed:
-                return  # a preflight calls _schedule when it ends (and takes its run off the queue if it fails)
-            self.queue.remove(head.run.run_id)
+        """Start the queue's head once nothing runs; it waits until its preflight passed."""
+        while self.queue and not any(s.active for s in self._slots.values()) and not self.closing:
+            head = self._slots[self.queue[0]]
+            if not head.preflight_passed:
+                return  # its preflight calls _schedule when it ends (and takes it off the queue if it fails)
+            self.queue.pop(0)
             head.cancel_requested = False
             head.run.set_state(pb.RUN_STATE_RUNNING)
             head.task = asyncio.get_running_loop().create_task(self._execute(head))
             head.task.add_done_callback(lambda task, slot=head: self._cancelled_before_start(slot, task))
-
-    def _next(self, running: Counter[str]) -> _Slot | None:
-        """The first queued run whose owner is under their quota of running runs."""
-        for run_id in self.queue:
-            slot = self._slots[run_id]
-            limits = self.quotas.limits(slot.run.owner, strict=False)
-            if limits is None or running[slot.run.owner.name] < limits.max_running_runs:
-                return slot
-        return None
 
     def _cancelled_before_start(self, slot: _Slot, task: asyncio.Task) -> None:
         """A task cancelled before its first step never enters `_execute` (the cancellation is thrown

@@ -1,23 +1,27 @@
-"""Per-user quotas: runs at once, runs waiting, and the size of one run.
+"""Per-user quotas: how many runs a user holds at once, how many of them wait, and how big one run is.
 
-A user's quota is, key by key, their own entry over `default`, and the
-quotas file's entries over the cluster file's `quotas:` section:
-cluster `default` < file `default` < cluster `users.NAME` < file `users.NAME`.
-The file (YAML of the same shape) is re-read when it changes, so the operator
-changes a quota without a restart. Admins (and the cluster's own calls) are
-not limited unless they have an entry of their own under `users`.
+They live in the cluster file's `quotas` section: `default` for every user,
+`users.NAME` entries over it key by key. Admins (and the cluster's own calls)
+are not limited unless they have an entry of their own. The coordinator
+re-reads the section when the cluster file changes (checked at most once a
+second), so an operator changes a quota by editing the file, with no restart;
+a file that no longer parses leaves the last good quotas in force (a typo
+never lifts a limit) and says so in the coordinator's log.
 
-Over `max_queued_runs` or `max_trajectories_per_run` a SubmitRun gets
-RESOURCE_EXHAUSTED naming the quota and its limit; a user at
-`max_running_runs` keeps their further runs queued while other users' runs
-start.
+A SubmitRun (a resume too) over a quota gets RESOURCE_EXHAUSTED naming the
+quota and the cluster-file key that sets it:
+
+- `max_concurrent_runs`: the user's runs not finished yet (queued or running);
+- `max_queued_runs`: of those, the ones waiting to start;
+- `max_samples_per_run`: `grpo.max_num_steps x grpo.num_prompts_per_step x
+  grpo.num_generations_per_prompt`, the trajectories the run generates.
 """
 
 from __future__ import annotations
 
 import logging
-import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,85 +30,94 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlserve.config import RunSpec
 from rlserve.logs import event
-from rlserve.rpc import RpcError, failed_precondition
+from rlserve.rpc import RpcError
 from rlserve.security.principal import NAME, Principal
 
 log = logging.getLogger("rlserve.coordinator")
 _RECHECK_S = 1.0
 
 
-class Quota(BaseModel):
-    """One entry (`default` or a user's): the keys it sets; the others come from the entries below it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_running_runs: int | None = Field(None, ge=1, le=100_000)
-    max_queued_runs: int | None = Field(None, ge=1, le=100_000)
-    # grpo.max_num_steps x grpo.num_prompts_per_step x grpo.num_generations_per_prompt of one run.
-    max_trajectories_per_run: int | None = Field(None, ge=1)
-
-
 class QuotaLimits(BaseModel):
-    """A user's quota with every key set. The defaults are generous: they stop a runaway client, not work
-    (the spec's own bound is 1M steps x 65,536 trajectories)."""
+    """The `default` entry: every user's quota unless their own entry says otherwise. The defaults stop a
+    runaway client, not work."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_running_runs: int = 4
-    max_queued_runs: int = 16
-    max_trajectories_per_run: int = 100_000_000
+    max_concurrent_runs: int = Field(8, ge=1, le=100_000)
+    max_queued_runs: int = Field(8, ge=1, le=100_000)
+    max_samples_per_run: int = Field(100_000_000, ge=1)
+
+
+class UserQuota(BaseModel):
+    """A `users.NAME` entry: the keys it sets override `default`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_concurrent_runs: int | None = Field(None, ge=1, le=100_000)
+    max_queued_runs: int | None = Field(None, ge=1, le=100_000)
+    max_samples_per_run: int | None = Field(None, ge=1)
 
 
 class QuotasCfg(BaseModel):
-    """The cluster file's `quotas` section, and the quotas file (same shape)."""
+    """The cluster file's `quotas` section."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    default: Quota = Quota()
-    users: dict[str, Quota] = {}
+    default: QuotaLimits = QuotaLimits()
+    users: dict[str, UserQuota] = {}
 
     @field_validator("users")
     @classmethod
-    def _names(cls, v: dict[str, Quota]) -> dict[str, Quota]:
+    def _names(cls, v: dict[str, UserQuota]) -> dict[str, UserQuota]:
         bad = [name for name in v if not NAME.fullmatch(name)]
         if bad:
             raise ValueError(f"not user names: {bad}")
         return v
 
-
-def limits_of(principal: Principal, layers: list[QuotasCfg]) -> QuotaLimits | None:
-    """`principal`'s quota from `layers` (lowest first); None: not limited (an admin without an entry)."""
-    own = [layer.users[principal.name] for layer in layers if principal.name in layer.users]
-    if principal.is_admin and not own:
-        return None
-    merged: dict[str, int] = {}
-    for entry in [layer.default for layer in layers] + own:
-        merged.update(entry.model_dump(exclude_none=True))
-    return QuotaLimits(**merged)
+    def limits(self, principal: Principal) -> UserLimits | None:
+        """`principal`'s quota; None: not limited (an admin without an entry of their own)."""
+        own = self.users.get(principal.name)
+        if own is None:
+            return None if principal.is_admin else UserLimits(self.default, {})
+        overrides = own.model_dump(exclude_none=True)
+        return UserLimits(self.default.model_copy(update=overrides), {k: principal.name for k in overrides})
 
 
-def read_quotas_file(path: Path) -> QuotasCfg | None:
-    """The quotas file (None if there is none). Refused if other users may write it."""
-    if not path.exists():
-        return None
-    mode = path.stat().st_mode
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"{path}: other users may write this quotas file (mode {stat.S_IMODE(mode):o}); "
-                         f"run `chmod 600 {path}`")
+@dataclass(frozen=True)
+class UserLimits:
+    values: QuotaLimits
+    # Keys set by the user's own entry (the others are `default`'s): for messages that name the key.
+    own: dict[str, str]
+
+    def key(self, name: str) -> str:
+        return f"quotas.users.{self.own[name]}.{name}" if name in self.own else f"quotas.default.{name}"
+
+
+def samples_of(spec: RunSpec) -> tuple[int, str]:
+    """The trajectories a run generates, and how (for messages)."""
+    g = spec.grpo
+    size = g.max_num_steps * g.num_prompts_per_step * g.num_generations_per_prompt
+    return size, (f"grpo.max_num_steps x grpo.num_prompts_per_step x grpo.num_generations_per_prompt = "
+                  f"{g.max_num_steps} x {g.num_prompts_per_step} x {g.num_generations_per_prompt} = {size}")
+
+
+def read_quotas(cluster_file: Path) -> QuotasCfg:
+    """The `quotas` section of a cluster file (the rest of the file is `deploy/serve`'s)."""
     try:
-        return QuotasCfg.model_validate(yaml.safe_load(path.read_text()) or {})
+        data = yaml.safe_load(cluster_file.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError("not a mapping")
+        return QuotasCfg.model_validate(data.get("quotas") or {})
     except (yaml.YAMLError, ValidationError) as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise ValueError(str(err)) from None
 
 
 class Quotas:
-    """The cluster file's quotas with the quotas file's over them; the file is re-read when it changes."""
+    """The quotas in force: those the coordinator was deployed with, then the cluster file's as it changes."""
 
-    def __init__(self, base: QuotasCfg, path: Path | None):
-        self.base, self.path = base, path
-        self._file: QuotasCfg | None = None
+    def __init__(self, deployed: QuotasCfg, cluster_file: Path | None):
+        self.cfg, self.path = deployed, cluster_file
         self._stamp: tuple[int, ...] = ()
-        self._error = ""
         self._checked = 0.0
         self._reload()
 
@@ -114,43 +127,44 @@ class Quotas:
             return
         try:
             st = self.path.stat()
-            stamp = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_mode)
-        except FileNotFoundError:
+            stamp = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+        except OSError:
             stamp = (-1,)
         if stamp == self._stamp:
             return
         self._stamp = stamp
         try:
-            self._file, self._error = read_quotas_file(self.path), ""
+            self.cfg = read_quotas(self.path)
         except (OSError, ValueError) as err:
-            self._error = str(err)  # the last good quotas stay in force for runs already queued
-            event(log, "quotas.invalid", logging.WARNING, error=self._error[:500])
+            # The last good quotas stay in force: a broken edit must not lift a limit.
+            event(log, "quotas.invalid", logging.WARNING, path=self.path, error=str(err)[:500])
         else:
-            event(log, "quotas.loaded", path=self.path, users=len(self._file.users) if self._file else 0)
+            event(log, "quotas.loaded", path=self.path, users=len(self.cfg.users))
 
-    def limits(self, principal: Principal, strict: bool = True) -> QuotaLimits | None:
-        """`principal`'s quota. strict (a new submission): a broken quotas file refuses the call, so a typo
-        cannot lift a limit; otherwise (scheduling) the last good file counts."""
+    def current(self) -> QuotasCfg:
         if time.monotonic() - self._checked > _RECHECK_S:
             self._reload()
-        if strict and self._error:
-            raise failed_precondition(f"the cluster's quotas file is invalid (an operator must fix it): "
-                                      f"{self._error}")
-        return limits_of(principal, [self.base] + ([self._file] if self._file else []))
+        return self.cfg
 
-    def check_submit(self, principal: Principal, spec: RunSpec, queued: int) -> None:
-        """RESOURCE_EXHAUSTED when one more queued run of `principal`, or this run's size, is over its quota."""
-        limits = self.limits(principal)
+    def check_submit(self, principal: Principal, spec: RunSpec, unfinished: int, queued: int) -> None:
+        """RESOURCE_EXHAUSTED when one more run of `principal` (`unfinished` of theirs are queued or running,
+        `queued` waiting), or this run's size, is over their quota."""
+        limits = self.current().limits(principal)
         if limits is None:
             return
-        if queued >= limits.max_queued_runs:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"quota max_queued_runs is {limits.max_queued_runs}: {queued} of your runs are queued; "
-                           f"submit when one has started")
-        g = spec.grpo
-        size = g.max_num_steps * g.num_prompts_per_step * g.num_generations_per_prompt
-        if size > limits.max_trajectories_per_run:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"quota max_trajectories_per_run is {limits.max_trajectories_per_run}: grpo.max_num_steps "
-                           f"x grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.max_num_steps} x "
-                           f"{g.num_prompts_per_step} x {g.num_generations_per_prompt} = {size}")
+        q = limits.values
+        if unfinished >= q.max_concurrent_runs:
+            raise _exhausted(f"quota max_concurrent_runs ({limits.key('max_concurrent_runs')}) is "
+                             f"{q.max_concurrent_runs}: {unfinished} of your runs are queued or running; submit "
+                             f"when one has finished")
+        if queued >= q.max_queued_runs:
+            raise _exhausted(f"quota max_queued_runs ({limits.key('max_queued_runs')}) is {q.max_queued_runs}: "
+                             f"{queued} of your runs are waiting to start; submit when one has started")
+        size, how = samples_of(spec)
+        if size > q.max_samples_per_run:
+            raise _exhausted(f"quota max_samples_per_run ({limits.key('max_samples_per_run')}) is "
+                             f"{q.max_samples_per_run}: spec_yaml: {how}")
+
+
+def _exhausted(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)

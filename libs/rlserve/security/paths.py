@@ -10,8 +10,8 @@ roots, in order.
 
 Inside the runs directory a caller may name only its own runs' folders
 (`PathPolicy.for_runs`): another user's run folder, a run folder that does
-not exist and the cluster's state folder are all simply outside the allowed
-directories, with the same answer, so a refusal says nothing about which
+not exist and the cluster's state folder are refused with the same words
+(PERMISSION_DENIED naming the field), so a refusal says nothing about which
 runs exist.
 """
 
@@ -109,15 +109,21 @@ def confine(field: str, value: str, roots: tuple[Path, ...], key: str,
         raise permission_denied(field, f"{shown!r}: paths may not contain '..'")
     given = Path(os.path.expanduser(value)) if value.startswith("~") else Path(value)
     candidates = [given] if given.is_absolute() else [root / given for root in roots]
-    inside = []
+    inside, not_admitted = [], False
     for candidate in candidates:
         resolved = candidate.resolve()
-        if any(_inside(resolved, root) for root in roots) and admits(resolved):
+        if any(_inside(resolved, root) for root in roots):
+            if not admits(resolved):
+                not_admitted = True
+                continue
             if resolved.exists():
                 return resolved
             inside.append(resolved)
     if inside:
         return inside[0]
+    if not_admitted:  # the same words whether that run exists, is another user's or is no run at all
+        raise permission_denied(field, f"{shown!r} is in the runs directory but not in a run of yours: a spec "
+                                       f"may name only its own user's runs")
     allowed = ", ".join(str(r) for r in roots) or "none"
     raise permission_denied(field, f"{shown!r} is outside the directories this cluster allows ({allowed}); "
                                    f"an operator can add one to `{key}` in the cluster file")

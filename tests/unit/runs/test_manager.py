@@ -20,12 +20,15 @@ SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2}, "logger": {
 
 
 class RefuseByName(Admission):
-    """Passes every spec except those named `refused` (their preflight fails)."""
+    """Passes every spec except those named `refused` (their preflight fails), once `go` is set."""
 
     def __init__(self, refused: str | None):
         self.refused = refused
+        self.go = asyncio.Event()
+        self.go.set()
 
     async def preflight(self, spec):
+        await self.go.wait()
         if self.refused and spec.name == self.refused:
             raise invalid_argument("policy.model_name", "not this one")
 
@@ -50,9 +53,11 @@ def test_runs_start_after_their_preflight_and_a_failed_one_does_not_block_the_qu
     async def main():
         trained = []
         m = manager(tmp_path, preflight_error="bad", trained=trained)
+        m.admission.go.clear()  # both preflights wait until both runs are queued
         bad = await m.submit(SPEC.replace("name: unit", "name: bad"), "first", False, SYSTEM)
         good = await m.submit(SPEC, "second", False, SYSTEM)
         assert bad.state == good.state == pb.RUN_STATE_QUEUED
+        m.admission.go.set()
         failed, done = await until_done(m, "first"), await until_done(m, "second")
         assert failed.state == pb.RUN_STATE_FAILED and failed.error.startswith("preflight: INVALID_ARGUMENT: "
                                                                                  "policy.model_name")
