@@ -10,9 +10,9 @@ import pytest
 
 from rlserve.clients.credentials import TOKEN_ENV, TOKEN_FILE_ENV, find_credentials, write_record
 from rlserve.rpc import RpcError
+from rlserve.security.identity import TokenStore
 from rlserve.security.paths import PathPolicy
 from rlserve.security.plugins import PluginPolicy
-from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
 from rlserve.security.tokens import MIN_TOKEN_CHARS, bearer_token, ensure_token_file, read_tokens
 
