@@ -11,15 +11,18 @@ holds no tokens until it is fixed (fail closed).
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlserve.logs import event
 from rlserve.security.principal import LEGACY_ADMIN, LEGACY_USER, Principal, Role
 from rlserve.security.tokens import digest, read_tokens
 from rlserve.security.users import read_users
 
+log = logging.getLogger("rlserve.gateway")
 _RECHECK_S = 1.0
 # The principals of the single-token files of earlier clusters.
 _LEGACY = {Role.USER: Principal(LEGACY_USER, Role.USER), Role.ADMIN: Principal(LEGACY_ADMIN, Role.ADMIN)}
@@ -42,8 +45,12 @@ class _Source:
         except FileNotFoundError:
             stamp = (-1,)
         if stamp != self.stamp:
-            self.entries = self.read(self.path)
             self.stamp = stamp
+            try:
+                self.entries = self.read(self.path)
+            except Exception:
+                self.entries = []  # fail closed until the file changes again
+                raise
 
 
 def _token_file(principal: Principal) -> Callable[[Path], Entries]:
@@ -70,8 +77,9 @@ class TokenStore:
         for src in self._sources:
             try:
                 src.load()
-            except (OSError, ValueError):
-                src.entries, src.stamp = [], ()
+            except (OSError, ValueError) as err:  # said once per change of the file
+                event(log, "gateway.credentials_invalid", logging.ERROR, path=src.path, error=str(err)[:300],
+                      effect="no token of this file is accepted until it is fixed")
         self._checked = time.monotonic()
 
     def principal_of(self, token: str | None) -> Principal | None:
