@@ -117,7 +117,7 @@ def test_users_see_only_their_runs_quotas_hold_and_a_revoked_user_is_refused_whi
     (tc.data_dir / "alices-events.jsonl").symlink_to(Path(secret.run_dir) / "events.jsonl")
     model_paths = [f"{secret.run_dir}/final_model", f"{secret.run_dir}/checkpoints/step_000002",
                    f"{secret.run_dir}/sft_model", secret.run_dir, f"{runs_dir}/alice.no-such-run/final_model",
-                   f"{runs_dir}/.cluster", "alices-run", str(tc.models_dir / "alices-run" / "final_model")]
+                   f"{runs_dir}/.cluster", str(tc.models_dir / "alices-run" / "final_model")]
     answers = {}
     for value in model_paths:
         err = rpc_error(lambda: bob.submit(spec(policy__model_name=value)))
@@ -125,6 +125,9 @@ def test_users_see_only_their_runs_quotas_hold_and_a_revoked_user_is_refused_whi
         assert err.details().startswith("spec_yaml: policy.model_name: "), err.details()
         answers[value] = err.details().replace(repr(value), "VALUE")
     assert len(set(answers.values())) == 1, answers  # whether that run exists, is alice's, or is none
+    # A relative name through a link into alice's run answers like a name of nothing at all.
+    link, nothing = (rpc_error(lambda: bob.submit(spec(policy__model_name=v))) for v in ("alices-run", "nothing"))
+    assert (link.code(), link.details().replace("alices-run", "nothing")) == (nothing.code(), nothing.details())
     for value in (str(Path(secret.run_dir) / "events.jsonl"), "alices-events.jsonl"):
         err = rpc_error(lambda: bob.submit(spec(data__task="jsonl", data__train_path=value)))
         assert err.code() == grpc.StatusCode.PERMISSION_DENIED and err.details().startswith(
@@ -195,6 +198,10 @@ def _coordinator_replicas() -> list[str]:
 
 def test_a_restarted_coordinator_knows_every_owner_and_the_same_quotas(tenants, ray_driver):
     alice, bob, root = (tenants.client(n) for n in ("alice", "bob", "root"))
+    for run in root.list():  # what an earlier test left running
+        if run.owner in tenants.tokens and run.state not in TERMINAL:
+            root.cancel(run.run_id)
+            events_until_end(root, run.run_id, timeout_s=120)
     mine = alice.submit(spec(grpo__max_num_steps=1), run_id="before-restart")
     alice.cancel(mine.run_id)
     events_until_end(alice, mine.run_id, timeout_s=120)
