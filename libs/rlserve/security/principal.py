@@ -1,6 +1,6 @@
 """Who a call runs as: a named principal with a role.
 
-The gateway resolves the bearer token to a principal (`tokens.TokenStore`)
+The gateway resolves the bearer token to a principal (`identity.TokenStore`)
 and forwards it with every run-facing call; the coordinator scopes runs,
 quotas and the paths a spec may name to it. Events and logs name the
 principal, never the token. The single-token files of earlier clusters keep

@@ -5,7 +5,7 @@ comments are skipped. Only the SHA-256 digest of a token is stored, so the
 file (mode 0600, refused if other users may access it, like the token
 files) never holds a usable token: `add_user` prints the new token once and
 keeps its digest. The gateway re-reads the file when it changes
-(`tokens.TokenStore`), so adding or revoking a user needs no restart.
+(`identity.TokenStore`), so adding or revoking a user needs no restart.
 """
 
 from __future__ import annotations
