@@ -24,7 +24,15 @@ import yaml
 
 from rlserve.cluster.config import ClusterFile
 from rlserve.cluster.loopback import BIND_HOST_ENV
-from rlserve.cluster.serve_config import APPS, app_args, args_version, serve_config, state_dir, token_files
+from rlserve.cluster.serve_config import (
+    APPS,
+    app_args,
+    args_version,
+    serve_config,
+    state_dir,
+    token_files,
+    users_file,
+)
 
 SETUP_HOOK = "rlserve.cluster.loopback.bind_loopback"
 
@@ -42,6 +50,11 @@ class Cluster:
     def token_files(self) -> tuple[Path, Path] | None:
         """(user, admin) token files; None with `auth: none`."""
         return token_files(self.cfg, self.runs_dir)
+
+    @property
+    def users_file(self) -> Path | None:
+        """Named users and their token digests (`deploy/serve users`); None with `auth: none`."""
+        return users_file(self.cfg, self.runs_dir)
 
     @property
     def ca_file(self) -> Path | None:

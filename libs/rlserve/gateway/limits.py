@@ -1,11 +1,11 @@
 """Per-caller limits at the endpoint: no caller can take the service from the others.
 
-Each caller (a token's digest; the peer address when authentication is off)
-gets at most `max_streams` open streams (WatchRun), `max_in_flight` unary
-calls at once, `rate` calls per second with bursts of `burst` (a token
-bucket), and requests of at most `max_request_kb` (public RPCs; internal
-ones, admin-only, carry training batches and take the gateway's message
-limit). A call over a limit gets RESOURCE_EXHAUSTED at once, before it is
+Each caller (a principal's name, so all of a user's tokens share one set of
+limits; the peer address when authentication is off) gets at most
+`max_streams` open streams (WatchRun), `max_in_flight` unary calls at once,
+`rate` calls per second with bursts of `burst` (a token bucket), and requests
+of at most `max_request_kb` (public RPCs; internal ones, admin-only, carry
+training batches and take the gateway's message limit). A call over a limit gets RESOURCE_EXHAUSTED at once, before it is
 decoded or forwarded, naming the limit and the cluster-file key that sets it.
 """
 

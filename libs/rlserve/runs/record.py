@@ -20,6 +20,7 @@ from rlserve.config import RunSpec, load_spec
 from rlserve.logs import event
 from rlserve.runs.ledger import Ledger
 from rlserve.runs.recorder import Recorder
+from rlserve.security.principal import LEGACY_USER
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
@@ -28,11 +29,15 @@ STATE_NAMES = {v: pb.RunState.Name(v).removeprefix("RUN_STATE_").lower() for v i
 _STATES = {name: value for value, name in STATE_NAMES.items()}
 _KIND_NAMES = {v: pb.EventKind.Name(v).removeprefix("EVENT_KIND_").lower() for v in pb.EventKind.values()}
 _KINDS = {name: value for value, name in _KIND_NAMES.items()}
+# The owner of a run recorded before runs had owners: the principal of the single `token` file.
+LEGACY_OWNER = LEGACY_USER
 
 
 class Run:
-    def __init__(self, run_id: str, spec: RunSpec, run_dir: Path):
+    def __init__(self, run_id: str, spec: RunSpec, run_dir: Path, owner: str = LEGACY_OWNER):
         self.run_id, self.spec, self.run_dir = run_id, spec, run_dir
+        # The principal that submitted it (by name): only they and admins see it, and their quotas count it.
+        self.owner = owner
         self.state = pb.RUN_STATE_QUEUED
         self.step = 0
         self.version = 0
@@ -134,13 +139,17 @@ class Run:
                       max_steps=self.spec.grpo.max_num_steps, weight_version=self.version, run_dir=str(self.run_dir),
                       error=self.error, ledger=self.ledger.to_proto(), last_metrics=self.last_metrics,
                       created_unix=self.created, updated_unix=self.updated,
-                      final_model_path=self.final_model_path, plot_path=self.plot_path)
+                      final_model_path=self.final_model_path, plot_path=self.plot_path,
+                      owner=self.owner)
 
     @classmethod
     def from_disk(cls, run_dir: Path) -> Run:
         """A run of an earlier coordinator, as its run.json and events.jsonl left it."""
         info = json.loads((run_dir / "run.json").read_text())
-        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir)
+        owner = info.get("owner", LEGACY_OWNER)
+        if not isinstance(owner, str):
+            raise ValueError(f"owner: {owner!r} is not a principal's name")
+        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir, owner)
         run.state = _STATES[info["state"]]
         run.step, run.version, run.error = info["step"], info["weight_version"], info["error"]
         run.created, run.updated = info["created"], info["updated"]
@@ -159,4 +168,5 @@ class Run:
             "run_id": self.run_id, "name": self.spec.name, "state": STATE_NAMES[self.state], "step": self.step,
             "weight_version": self.version, "error": self.error, "ledger": self.ledger.to_dict(),
             "created": self.created, "updated": self.updated, "final_model_path": self.final_model_path,
-            "plot_path": self.plot_path, "last_metrics": self.last_metrics})
+            "plot_path": self.plot_path, "last_metrics": self.last_metrics,
+            "owner": self.owner})
