@@ -63,7 +63,7 @@ def main() -> None:
             backend = DTensorBackend(spec, resolve_model(f"preset:{preset}"), torch.device("cpu"))
             seconds, _ = timed(lambda: backend.train_step(batch, "grpo"), args.steps)
             results[packed] = seconds
-            del backend
+            backend = None  # free it before the next layout
         for packed, seconds in results.items():
             rows.append({"preset": preset, "packing": "on" if packed else "off", "seconds_per_step": seconds,
                          "tokens_per_s": real_tokens / seconds, "speedup_vs_padded": results[False] / seconds})

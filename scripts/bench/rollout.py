@@ -131,7 +131,7 @@ def main() -> None:
             channel.close()
             loop.run_until_complete(engines["vllm"].close())
             loop.close()
-            del engines
+            engines = None
         finally:
             down(cluster)
         med = {name: statistics.median(s for s, _, _ in v) for name, v in samples.items()}
