@@ -3,7 +3,8 @@
 One local cluster (the embedded default's services, its own ports) trains a run of the demo task.
 Its steps are timed in three phases of `--phase-s` seconds each, side by side in one invocation:
   - quiet:  only the run;
-  - load:   `--callers` concurrent well-behaved callers on loopback, each looping over GetRun,
+  - load:   `--callers` concurrent well-behaved callers on loopback (`--callers-per-user` to a user,
+            each user with a run of its own waiting in the queue), each looping over GetRun,
             ListRuns, a short WatchRun (its first events), and every 20th caller a SubmitRun of a
             tiny run that it cancels at once;
   - abuse:  the same callers, plus one abusive caller (its own token) doing what once stalled
@@ -63,10 +64,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Callers:
-    """Well-behaved callers: every call's latency and error, per phase."""
+    """Well-behaved callers, `per_user` to a user: every call's latency and error, per phase. Each user
+    watches its own queued run (a user sees only its own runs) beside the training run's owner."""
 
-    def __init__(self, endpoint: str, token: str, run_id: str, n: int):
-        self.endpoint, self.token, self.run_id, self.n = endpoint, token, run_id, n
+    def __init__(self, endpoint: str, users: list[tuple[str, str]], n: int):
+        self.endpoint, self.users, self.n = endpoint, users, n  # users: (token, run id)
         self.latencies: list[float] = []
         self.errors: list[str] = []
 
@@ -76,7 +78,8 @@ class Callers:
         from rlserve.v1 import coordinator_pb2 as pb
         from rlserve.v1 import coordinator_pb2_grpc
 
-        md = (("authorization", f"Bearer {self.token}"),)
+        token, run_id = self.users[i % len(self.users)]
+        md = (("authorization", f"Bearer {token}"),)
         async with grpc.aio.insecure_channel(self.endpoint) as channel:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             while time.monotonic() < stop:
@@ -84,11 +87,11 @@ class Callers:
                 try:
                     kind = random.random()
                     if kind < 0.45:
-                        await stub.GetRun(pb.GetRunRequest(run_id=self.run_id), metadata=md, timeout=30)
+                        await stub.GetRun(pb.GetRunRequest(run_id=run_id), metadata=md, timeout=30)
                     elif kind < 0.8:
                         await stub.ListRuns(pb.ListRunsRequest(), metadata=md, timeout=30)
                     elif kind < 0.98 or i % 20:
-                        stream = stub.WatchRun(pb.WatchRunRequest(run_id=self.run_id), metadata=md, timeout=30)
+                        stream = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), metadata=md, timeout=30)
                         await stream.read()
                         stream.cancel()
                     else:
@@ -174,6 +177,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--callers", type=int, default=500)
     parser.add_argument("--phase-s", type=float, default=120)
+    parser.add_argument("--callers-per-user", type=int, default=20)
     parser.add_argument("--chaos-s", type=float, default=0)
     parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the training run")
     parser.add_argument("--seed", type=int, default=0)
@@ -181,7 +185,7 @@ def main() -> None:
     random.seed(args.seed)
 
     from rlserve.cluster.lifecycle import down, up
-    from rlserve.security.tokens import new_token, read_tokens
+    from rlserve.security.users import add_user
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-soak-"))
@@ -189,27 +193,34 @@ def main() -> None:
     up(cluster)
     try:
         user_file = cluster.token_files[0]
-        token = read_tokens(user_file)[0]
-        abuser = new_token()
-        user_file.write_text(user_file.read_text() + abuser + "\n")  # the abuser is a caller of its own
         from rlserve.clients.coordinator import CoordinatorClient
+        from rlserve.clients.credentials import Credentials
 
         spec = (Path(__file__).resolve().parents[2] / "examples/grpo_addition.yaml").read_text().replace(
             "max_num_steps: 60", f"max_num_steps: {args.steps}")
         with CoordinatorClient(cluster.grpc_endpoint, token_file=user_file) as client:
             run = client.submit(spec)
+        # Well-behaved users and the abuser, each with its own token and a run of its own that waits in
+        # the queue behind the training run (cancelled at the end).
+        users = []
+        for u in range(max(1, args.callers // args.callers_per_user) + 1):
+            user_token = add_user(cluster.users_file, f"soak{u}", admin=False)
+            with CoordinatorClient(cluster.grpc_endpoint, credentials=Credentials(token=user_token)) as client:
+                users.append((user_token, client.submit(TINY).run_id))
+        abuser, abuser_run = users.pop()
+        with CoordinatorClient(cluster.grpc_endpoint, token_file=user_file) as client:
             while client.get(run.run_id).step < 1:  # past SFT and the first GRPO step
                 time.sleep(2)
         rows = []
         rss_before = cluster_rss()
         for phase in ("quiet", "load", "abuse"):
-            callers = Callers(cluster.grpc_endpoint, token, run.run_id, 0 if phase == "quiet" else args.callers)
+            callers = Callers(cluster.grpc_endpoint, users, 0 if phase == "quiet" else args.callers)
             t0 = time.time()
 
             async def both() -> dict[str, int]:
                 jobs = [callers.run(args.phase_s)]
                 if phase == "abuse":
-                    jobs.append(abuse(cluster.grpc_endpoint, abuser, run.run_id, args.phase_s))
+                    jobs.append(abuse(cluster.grpc_endpoint, abuser, abuser_run, args.phase_s))
                 results = await asyncio.gather(*jobs)
                 return results[1] if phase == "abuse" else {}
 
@@ -222,13 +233,17 @@ def main() -> None:
                          "step_s": statistics.median(steps) if steps else float("nan"),
                          "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items()))})
             print("phase", rows[-1], flush=True)
+        admin_file = cluster.token_files[1]
+        with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
+            for _, run_id in users + [(abuser, abuser_run)]:
+                client.cancel(run_id)
         quiet = rows[0]["step_s"]
         for row in rows:
             row["step_vs_quiet"] = row["step_s"] / quiet
         meta = {"callers": args.callers, "phase_s": args.phase_s}
         if args.chaos_s:
             killed = chaos(args.chaos_s, random.Random(args.seed))
-            with CoordinatorClient(cluster.grpc_endpoint, token_file=user_file) as client:
+            with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
                 deadline = time.monotonic() + 3600  # the run goes on to its last step
                 while True:
                     try:
