@@ -202,9 +202,11 @@ def main() -> None:
             run = client.submit(spec)
         # Well-behaved users and the abuser, each with its own token and a run of its own that waits in
         # the queue behind the training run (cancelled at the end).
+        tokens = [add_user(cluster.users_file, f"soak{u}", admin=False)
+                  for u in range(max(1, args.callers // args.callers_per_user) + 1)]
+        time.sleep(3)  # the gateway re-reads the users file within about a second
         users = []
-        for u in range(max(1, args.callers // args.callers_per_user) + 1):
-            user_token = add_user(cluster.users_file, f"soak{u}", admin=False)
+        for user_token in tokens:
             with CoordinatorClient(cluster.grpc_endpoint, credentials=Credentials(token=user_token)) as client:
                 users.append((user_token, client.submit(TINY).run_id))
         abuser, abuser_run = users.pop()
