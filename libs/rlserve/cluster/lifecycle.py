@@ -198,6 +198,9 @@ def kill_node(cluster: Cluster, name: str) -> None:
     _pid_file(cluster, name).unlink(missing_ok=True)
 
 
+_CONNECT_ATTEMPTS = 6
+
+
 def connect(cluster: Cluster) -> None:
     """Attach this process to the cluster as a driver whose workers keep listeners on `host` (a process
     attached to another cluster is detached first)."""
@@ -208,8 +211,16 @@ def connect(cluster: Cluster) -> None:
         if ray.get_runtime_context().gcs_address == cluster.address:
             return
         _detach()
-    ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
-             runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": cluster.env()})
+    for attempt in range(_CONNECT_ATTEMPTS):  # a head just started may not have registered its node yet
+        try:
+            ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
+                     runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": cluster.env()})
+            return
+        except ConnectionError:
+            if attempt == _CONNECT_ATTEMPTS - 1:
+                raise
+            ray.shutdown()
+            time.sleep(5)
 
 
 def _serve_start(cluster: Cluster, config: dict[str, Any]) -> None:
