@@ -123,9 +123,9 @@ def grpc_method(fn: F) -> F:
 
     if inspect.isasyncgenfunction(fn):
         @functools.wraps(fn)
-        async def stream(self, request):
+        async def stream(self, request, *extra):
             try:
-                async for item in fn(self, request):
+                async for item in fn(self, request, *extra):
                     yield item
             except Exception as err:  # noqa: BLE001 - every failure becomes a status
                 raise fail(err) from None

@@ -1,12 +1,16 @@
 """The coordinator Serve application: the public `rlserve.v1.Coordinator` API.
 
 Each RPC decodes, calls the run manager (`rlserve.runs.manager`), and
-encodes. Runs are admitted by `rlserve.grpo.admission` and executed by
+encodes. The gateway passes the caller's principal after the request; a call
+that passes none comes from inside the cluster and runs as `system` (an
+admin). Runs are admitted by `rlserve.grpo.admission` and executed by
 `rlserve.grpo.recovery.run_grpo`, which reaches the other applications
 through `handles.ServeServices`.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
@@ -21,9 +25,11 @@ from rlserve.grpo.state import LoopSettings
 from rlserve.logs import setup_logging
 from rlserve.rpc import grpc_method
 from rlserve.runs.manager import RunManager
+from rlserve.runs.quotas import Quotas, QuotasCfg
 from rlserve.runs.record import Run
 from rlserve.security.paths import PathsArgs
 from rlserve.security.plugins import PluginPolicy
+from rlserve.security.principal import SYSTEM, Principal
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.handles import ServeServices
@@ -49,9 +55,19 @@ class CoordinatorArgs(BaseModel):
     preflight_timeout_s: float = Field(300.0, gt=0)
     # Largest JSONL data file a spec may name.
     max_data_file_mb: int = Field(512, ge=1)
+    # Runs waiting to start; a SubmitRun beyond it gets RESOURCE_EXHAUSTED.
+    max_queued_runs: int = Field(64, ge=1, le=100_000)
+    # A WatchRun stream ends after this long (clients continue from the next event); none is held for good.
+    watch_max_s: float = Field(600.0, gt=0)
+    # Per-user quotas (the cluster file's `quotas` when it was deployed), and the cluster file, whose
+    # `quotas` section is re-read when it changes (None: the deployed quotas stay).
+    quotas: QuotasCfg = QuotasCfg()
+    cluster_file: str | None = None
 
 
-@serve.deployment(max_ongoing_requests=64)
+# Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
+# (rlserve.gateway.limits); this bounds them all together.
+@serve.deployment(max_ongoing_requests=4096)
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -59,8 +75,10 @@ class Coordinator:
         self.args = CoordinatorArgs.model_validate(args or {})
         admission = GrpoAdmission(self.args.paths.policy(), PluginPolicy(self.args.allowed_plugins),
                                   self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
+        quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
-                                  self.args.preflight_timeout_s, self.args.resume_on_restart)
+                                  self.args.preflight_timeout_s, self.args.resume_on_restart,
+                                  self.args.max_queued_runs, quotas)
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy) -> RunServices:
         return ServeServices(self.args.apps, reward_endpoint, policy, on_retry=lambda msg: None)
@@ -77,27 +95,28 @@ class Coordinator:
         await self.manager.shutdown()
 
     @grpc_method
-    async def SubmitRun(self, request: pb.SubmitRunRequest) -> pb.SubmitRunResponse:
-        run = await self.manager.submit(request.spec_yaml, request.run_id, request.resume)
+    async def SubmitRun(self, request: pb.SubmitRunRequest, caller: Principal = SYSTEM) -> pb.SubmitRunResponse:
+        run = await self.manager.submit(request.spec_yaml, request.run_id, request.resume, caller)
         return pb.SubmitRunResponse(run=run.to_proto())
 
     @grpc_method
-    async def GetRun(self, request: pb.GetRunRequest) -> pb.GetRunResponse:
-        return pb.GetRunResponse(run=self.manager.get(request.run_id).to_proto())
+    async def GetRun(self, request: pb.GetRunRequest, caller: Principal = SYSTEM) -> pb.GetRunResponse:
+        return pb.GetRunResponse(run=self.manager.get(request.run_id, caller).to_proto())
 
     @grpc_method
-    async def ListRuns(self, request: pb.ListRunsRequest) -> pb.ListRunsResponse:
+    async def ListRuns(self, request: pb.ListRunsRequest, caller: Principal = SYSTEM) -> pb.ListRunsResponse:
         del request
-        return pb.ListRunsResponse(runs=self.manager.list_protos())
+        return pb.ListRunsResponse(runs=self.manager.list_protos(caller))
 
     @grpc_method
-    async def CancelRun(self, request: pb.CancelRunRequest) -> pb.CancelRunResponse:
-        return pb.CancelRunResponse(run=self.manager.cancel(request.run_id).to_proto())
+    async def CancelRun(self, request: pb.CancelRunRequest, caller: Principal = SYSTEM) -> pb.CancelRunResponse:
+        run = self.manager.cancel(request.run_id, caller)
+        return pb.CancelRunResponse(run=run.to_proto())
 
     @grpc_method
-    async def WatchRun(self, request: pb.WatchRunRequest):
-        run = self.manager.get(request.run_id)
-        async for ev in run.watch(request.from_sequence):
+    async def WatchRun(self, request: pb.WatchRunRequest, caller: Principal = SYSTEM):
+        run = self.manager.get(request.run_id, caller)
+        async for ev in run.watch(request.from_sequence, self.args.watch_max_s):
             yield pb.WatchRunResponse(event=ev)
 
 

@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from rlserve.grpo.retry import Retrying, RetryPolicy
-from rlserve.grpo.services import RunServices, ServiceFailure
+from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2
 
@@ -89,3 +89,12 @@ class ServeServices(RunServices):
 
     async def load_checkpoint(self, req: learner_pb2.LoadCheckpointRequest) -> learner_pb2.LoadCheckpointResponse:
         return await self.retrying.call("learner.LoadCheckpoint", lambda: self.learner.LoadCheckpoint.remote(req))
+
+    async def release_learner(self, run_id: str) -> None:
+        await self.retrying.call("learner.ReleaseSession", lambda: self.learner.ReleaseSession.remote(
+            learner_pb2.ReleaseSessionRequest(run_id=run_id)))
+
+    async def capacity(self) -> Capacity:
+        total = ray.cluster_resources()
+        nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+        return Capacity(total.get("CPU", 0.0), total.get("GPU", 0.0), max(nodes, default=0.0))

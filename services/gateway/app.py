@@ -1,9 +1,10 @@
 """The gateway Serve application: the cluster's public gRPC endpoint.
 
 Its replica runs a grpc.aio server on the cluster file's `host:grpc_port`
-(`rlserve.gateway.server`: bearer tokens, roles, TLS) and forwards each call
-to the service's Serve deployment through a handle, the same path the
-coordinator uses inside the cluster. Serve's own proxies are off, so this is
+(`rlserve.gateway.server`: bearer tokens, principals, roles, TLS) and
+forwards each call to the service's Serve deployment through a handle, the
+same path the coordinator uses inside the cluster; a run-facing call carries
+the caller's principal as an argument after the request. Serve's own proxies are off, so this is
 the only way in from outside.
 """
 
@@ -21,9 +22,11 @@ from ray.serve.handle import DeploymentHandle
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.gateway import server
+from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.methods import RpcMethod
 from rlserve.logs import event, setup_logging
-from rlserve.security.tokens import Role, TokenStore
+from rlserve.security.identity import TokenStore
+from rlserve.security.principal import Principal, Role
 
 log = logging.getLogger("rlserve.gateway")
 
@@ -33,6 +36,8 @@ class TokenFiles(BaseModel):
 
     token_file: str
     admin_token_file: str
+    # Named users (`deploy/serve users`); None: only the two token files.
+    users_file: str | None = None
 
 
 class TlsFiles(BaseModel):
@@ -54,6 +59,8 @@ class GatewayArgs(BaseModel):
     expose_internal: bool = False
     apps: dict[str, str] = {}
     max_message_mb: int = Field(64, ge=1, le=1024)
+    # Per-caller limits (the cluster file's `limits`).
+    limits: CallerLimits = CallerLimits()
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)
@@ -68,11 +75,13 @@ class Gateway:
             event(log, "gateway.auth_off", logging.WARNING,
                   message="`auth: none`: anyone who can reach the endpoint can use it")
         else:
-            tokens = TokenStore({Role.USER: Path(auth.token_file), Role.ADMIN: Path(auth.admin_token_file)})
+            tokens = TokenStore({Role.USER: Path(auth.token_file), Role.ADMIN: Path(auth.admin_token_file)},
+                                Path(auth.users_file) if auth.users_file else None)
         self.handles: dict[str, DeploymentHandle] = {}
         self.server = await server.start(
             server.GatewayConfig(host=self.args.host, port=self.args.port, tokens=tokens,
                                  expose_internal=self.args.expose_internal, apps=self.args.apps,
+                                 limits=self.args.limits,
                                  cert_file=Path(tls.cert_file) if tls else None,
                                  key_file=Path(tls.key_file) if tls else None,
                                  max_message_mb=self.args.max_message_mb),
@@ -83,11 +92,19 @@ class Gateway:
             self.handles[app] = serve.get_app_handle(app)
         return self.handles[app]
 
-    async def _forward(self, method: RpcMethod, request: Message) -> Message:
-        return await getattr(self._handle(method.app), method.name).remote(request)
+    @staticmethod
+    def _args(method: RpcMethod, request: Message, caller: Principal | None) -> tuple:
+        """The request, and for a run-facing RPC the caller (none without authentication: the coordinator
+        then acts as the cluster itself)."""
+        return (request, caller) if method.takes_caller and caller is not None else (request,)
 
-    async def _forward_stream(self, method: RpcMethod, request: Message) -> AsyncIterator[Message]:
-        stream = getattr(self._handle(method.app).options(stream=True), method.name).remote(request)
+    async def _forward(self, method: RpcMethod, request: Message, caller: Principal | None) -> Message:
+        return await getattr(self._handle(method.app), method.name).remote(*self._args(method, request, caller))
+
+    async def _forward_stream(self, method: RpcMethod, request: Message,
+                              caller: Principal | None) -> AsyncIterator[Message]:
+        stream = getattr(self._handle(method.app).options(stream=True), method.name).remote(
+            *self._args(method, request, caller))
         try:
             async for item in stream:
                 yield item

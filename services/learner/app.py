@@ -163,7 +163,7 @@ class Learner:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                 num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
                 # The service's cpu_cores (if any) carry on to its workers.
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cl.torch_threads),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(min(cl.torch_threads, os.cpu_count() or 1)),
                                           cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, "")}},
             ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
                 for i in range(cl.num_workers)]
@@ -251,6 +251,15 @@ class Learner:
             versions = await self._all([w.load_checkpoint.remote(str(path)) for w in session.workers])
             session.version, session.last_step = versions[0], None
             return learner_pb2.LoadCheckpointResponse(weight_version=versions[0])
+
+    @grpc_method
+    async def ReleaseSession(self, request: learner_pb2.ReleaseSessionRequest) -> learner_pb2.ReleaseSessionResponse:
+        async with self.lock:
+            if self.session is None or self.session.run_id != request.run_id:
+                return learner_pb2.ReleaseSessionResponse(released=False)
+            self._teardown()
+            event(log, "learner.released", run=request.run_id)
+            return learner_pb2.ReleaseSessionResponse(released=True)
 
 
 def build(args: dict) -> serve.Application:

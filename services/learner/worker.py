@@ -29,6 +29,8 @@ from rlserve.weights.store import get_store
 class LearnerWorker:
     def __init__(self, rank: int, world_size: int, init_method: str, device: str, torch_threads: int):
         pin_from_env()
+        # At most one thread per core of this machine, whatever the spec asks (SubmitRun checks it too).
+        torch_threads = min(torch_threads, os.cpu_count() or 1)
         torch.set_num_threads(torch_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
         self.rank = rank

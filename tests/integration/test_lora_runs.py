@@ -48,7 +48,7 @@ def test_a_lora_run_sends_adapters_only_and_ends_with_a_peft_adapter(client, cha
     for _ in range(8):
         info = stub.GetInfo(rollout_pb2.GetInfoRequest())
         infos[info.replica_id] = (info.run_id, info.weight_version)
-    assert set(infos.values()) == {("itest-lora", run.weight_version)}  # every replica serves the adapter
+    assert set(infos.values()) == {(run.run_id, run.weight_version)}  # every replica serves the adapter
 
     final = Path(run.final_model_path)
     assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()

@@ -195,7 +195,7 @@ def test_path_traversal_is_refused_in_every_path_field(test_cluster, channel):
     for value in outside:
         for field, rpc in (
             ("init_model_path", lambda: learner.Configure(learner_pb2.ConfigureRequest(
-                run_id="r", spec_yaml="", init_model_path=value))),
+                run_id="r", spec_yaml=spec(), init_model_path=value))),
             ("path", lambda: learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(run_id="r", path=value))),
             ("hf_path", lambda: learner.SaveCheckpoint(learner_pb2.SaveCheckpointRequest(
                 run_id="r", path="r/c", hf_path=value))),
@@ -214,7 +214,6 @@ def test_path_traversal_is_refused_in_every_path_field(test_cluster, channel):
     spec(grpo__max_num_steps=2**70),
     spec(data__num_train=10**9),
     spec(policy__generation={"temperature": float("inf"), "max_new_tokens": 5}),
-    yaml.safe_dump({"name": "n" * (10 * 2**20)}),
     "# padding\n" * 40_000,
 ])
 def test_oversized_specs_are_invalid_and_the_coordinator_keeps_answering(test_cluster, text):
@@ -222,6 +221,13 @@ def test_oversized_specs_are_invalid_and_the_coordinator_keeps_answering(test_cl
         err = status(lambda: client.submit(text))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("spec_yaml")
         assert len(err.details()) <= 1000
+        client.list()
+
+
+def test_a_request_over_the_gateways_size_limit_never_reaches_the_coordinator(test_cluster):
+    with CoordinatorClient(test_cluster.endpoint) as client:
+        err = status(lambda: client.submit(yaml.safe_dump({"name": "n" * (10 * 2**20)})))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
         client.list()
 
 

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlserve.grpo.services import RunServices, RunStateLost
+from rlserve.grpo.services import Capacity, RunServices, RunStateLost
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import common_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
 
@@ -30,6 +30,7 @@ class Calls:
     train: list[tuple[learner_pb2.TrainStepRequest, int]] = field(default_factory=list)  # request, sequences
     reference: int = 0
     configure: int = 0
+    released: list[str] = field(default_factory=list)
     running: int = 0  # Generate calls in progress now
     peak: int = 0  # the most at once
 
@@ -135,3 +136,11 @@ class FakeServices(RunServices):
         self._require(req.run_id)
         self.learner_version = json.loads(Path(req.path, "state.json").read_text())["version"]
         return learner_pb2.LoadCheckpointResponse(weight_version=self.learner_version)
+
+    async def release_learner(self, run_id: str) -> None:
+        if self.session == run_id:
+            self.session = None
+        self.calls.released.append(run_id)
+
+    async def capacity(self) -> Capacity:
+        return Capacity(cpus=8.0, gpus=0.0, node_cpus=8.0)

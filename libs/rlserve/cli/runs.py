@@ -85,6 +85,8 @@ def _describe(run: pb.Run) -> str:
              f"  ledger: generated {ledger.generated}, scored {ledger.scored}, trained {ledger.trained}, "
              f"dropped {dropped}, in flight {ledger.in_flight}",
              f"  run directory: {run.run_dir}"]
+    if run.owner:  # empty from a coordinator older than owners
+        lines.append(f"  owner: {run.owner}")
     if run.error:
         lines.append(f"  error: {run.error}")
     if run.final_model_path:
@@ -136,7 +138,8 @@ def runs_cmd(args: argparse.Namespace) -> int:
         try:
             if args.action == "list":
                 for run in client.list():
-                    print(f"{run.run_id:<40} {_STATE[run.state]:<10} step {run.step}/{run.max_steps}")
+                    owner = f"  {run.owner}" if run.owner else ""  # a user lists their own runs, an admin everyone's
+                    print(f"{run.run_id:<40} {_STATE[run.state]:<10} step {run.step}/{run.max_steps}{owner}")
                 return 0
             if args.action == "get":
                 print(_describe(client.get(args.run_id)))

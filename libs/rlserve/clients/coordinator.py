@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc
 
 DEFAULT_ENDPOINT = "127.0.0.1:9000"
+_TERMINAL = {pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED}
 ENDPOINT_ENV = "RLSERVE_ENDPOINT"
 
 
@@ -52,8 +54,15 @@ class CoordinatorClient:
 
     def watch(self, run_id: str, from_sequence: int = 0, timeout_s: float | None = None) -> Iterator[pb.RunEvent]:
         """The run's events until it ends; with `timeout_s`, the stream fails with DEADLINE_EXCEEDED after that
-        long, however the run is doing (a client that must not hang sets it)."""
-        stream = self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=from_sequence),
-                                    metadata=self.metadata, timeout=timeout_s)
-        for resp in stream:
-            yield resp.event
+        long, however the run is doing (a client that must not hang sets it). The coordinator ends a
+        stream after a while (`watch_max_s`); this continues from the next event until the run ends."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            stream = self.stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=from_sequence),
+                                        metadata=self.metadata, timeout=left)
+            for resp in stream:
+                from_sequence = resp.event.sequence + 1
+                yield resp.event
+            if self.get(run_id).state in _TERMINAL:
+                return

@@ -1,4 +1,4 @@
-"""`deploy/serve`: up, down, status, token and swap for an rlserve cluster."""
+"""`deploy/serve`: up, down, status, token, users, quotas and swap for an rlserve cluster."""
 
 from __future__ import annotations
 
@@ -46,6 +46,59 @@ def cmd_token(args: argparse.Namespace) -> int:
         print(f"serve: {path} does not exist yet; `deploy/serve up` creates it", file=sys.stderr)
         return 1
     print(path)
+    return 0
+
+
+def _users_file(cluster) -> Path:
+    if cluster.users_file is None:
+        raise ValueError("`auth: none` in this cluster file: the endpoint has no users")
+    return cluster.users_file
+
+
+def cmd_users(args: argparse.Namespace) -> int:
+    from rlserve.security.users import add_user, read_users, revoke_user
+
+    cluster = _cluster(args.cluster)
+    path = _users_file(cluster)
+    if args.action == "add":
+        token = add_user(path, args.name, args.admin)
+        print(token)
+        print(f"serve: added {args.name} ({'admin' if args.admin else 'user'}) to {path}; this is the only time "
+              f"the token is shown. They pass it to rlserve as RLSERVE_TOKEN, or save it in a file of mode 0600 "
+              f"and pass `--token-file FILE`.", file=sys.stderr)
+    elif args.action == "revoke":
+        revoke_user(path, args.name)
+        print(f"serve: revoked {args.name}: the endpoint refuses their token within ~1 s; their runs go on "
+              f"(`users add {args.name}` gives them a new token and their runs back)", file=sys.stderr)
+    else:
+        user_file, admin_file = cluster.token_files
+        print(f"{'name':<33} {'role':<6} where")
+        print(f"{'user':<33} {'user':<6} {user_file} (every token in it)")
+        print(f"{'admin':<33} {'admin':<6} {admin_file} (every token in it)")
+        for user in read_users(path):
+            print(f"{user.principal.name:<33} {user.principal.role.name.lower():<6} {path}")
+    return 0
+
+
+def cmd_quotas(args: argparse.Namespace) -> int:
+    from rlserve.security.principal import LEGACY_ADMIN, LEGACY_USER, Principal, Role
+    from rlserve.security.users import read_users
+
+    cluster = _cluster(args.cluster)
+    principals = [Principal(LEGACY_USER, Role.USER), Principal(LEGACY_ADMIN, Role.ADMIN)]
+    principals += [u.principal for u in read_users(cluster.users_file)] if cluster.users_file else []
+    principals += [Principal(name, Role.USER) for name in cluster.cfg.quotas.users
+                   if name not in {p.name for p in principals}]
+    print(f"serve: the `quotas` section of {cluster.cfg.source} (the coordinator re-reads it within ~1 s of an "
+          f"edit)", file=sys.stderr)
+    print(f"{'name':<33} {'concurrent':>10} {'queued':>8} {'samples/run':>13}")
+    for p in principals:
+        limits = cluster.cfg.quotas.limits(p)
+        if limits is None:
+            print(f"{p.name:<33} not limited (admin)")
+        else:
+            q = limits.values
+            print(f"{p.name:<33} {q.max_concurrent_runs:>10} {q.max_queued_runs:>8} {q.max_samples_per_run:>13}")
     return 0
 
 
@@ -109,6 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cluster", type=Path, nargs="?", help="cluster file (default: the embedded one)")
     p.add_argument("--admin", action="store_true", help="the admin token file (internal services) instead")
     p.set_defaults(func=cmd_token)
+    p = sub.add_parser("users", help="named users of the endpoint: add (prints the token once), list, revoke")
+    p.add_argument("action", choices=["add", "list", "revoke"])
+    p.add_argument("name", nargs="?", help="a short folder-safe word (add, revoke)")
+    p.add_argument("--admin", action="store_true", help="add: an admin (every run, the internal services)")
+    p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
+    p.set_defaults(func=cmd_users)
+    p = sub.add_parser("quotas", help="each user's quotas (the cluster file's `quotas` section)")
+    p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
+    p.set_defaults(func=cmd_quotas)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")
     p.add_argument("service")
     p.add_argument("target", help="module:attr, or path/to/file.py[:attr] (attr defaults to `reward`), or "
@@ -116,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_swap)
     args = parser.parse_args(argv)
+    if getattr(args, "action", None) in ("add", "revoke") and not args.name:
+        parser.error(f"users {args.action} needs a NAME")
     try:
         return args.func(args)
     except (SpecError, ValueError, RuntimeError, TimeoutError) as err:

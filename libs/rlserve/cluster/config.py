@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from rlserve.config.errors import SpecError, format_validation_error
+from rlserve.gateway.limits import CallerLimits
+from rlserve.runs.quotas import QuotasCfg
 
 
 class ServiceCfg(BaseModel):
@@ -70,7 +72,8 @@ class NodeCfg(BaseModel):
 
 
 class AuthCfg(BaseModel):
-    """Bearer tokens of the public endpoint, one a line, in files only their owner may read."""
+    """Who may call the public endpoint: token files (one token a line, the principals `user` and `admin`)
+    and the users file (named users, `deploy/serve users`), in files only their owner may read."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -79,6 +82,9 @@ class AuthCfg(BaseModel):
     # Operators: the run-facing RPCs, and the internal services when `expose_internal` is set.
     # None: <runs_dir>/.cluster/admin_token, created by `deploy/serve up`.
     admin_token_file: str | None = None
+    # Named users: `NAME sha256:HEXDIGEST [admin]` a line, written by `deploy/serve users add|revoke`.
+    # None: <runs_dir>/.cluster/users.
+    users_file: str | None = None
 
 
 class TlsCfg(BaseModel):
@@ -134,8 +140,21 @@ class ClusterFile(BaseModel):
     tls: TlsCfg | None = None
     # Also serve Learner, Rollout, Reference and Reward on the public endpoint, to admin tokens only.
     expose_internal: bool = False
+    # What one caller (a user) may take of the endpoint: open streams, calls in flight, calls per
+    # second (a token bucket), request size (rlserve.gateway.limits); over a limit: RESOURCE_EXHAUSTED.
+    limits: CallerLimits = CallerLimits()
+    # Per-user quotas on runs (rlserve.runs.quotas: unfinished runs, queued runs, samples per run), a
+    # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
+    # this section when the file changes: no restart.
+    quotas: QuotasCfg = QuotasCfg()
     reward: RewardPolicyCfg = RewardPolicyCfg()
     services: ServicesCfg = ServicesCfg()
+    # The file this was read from (`load_cluster_file`): the coordinator re-reads its quotas there.
+    _source: Path | None = PrivateAttr(None)
+
+    @property
+    def source(self) -> Path | None:
+        return self._source
 
     @field_validator("nodes")
     @classmethod
@@ -172,7 +191,8 @@ class ClusterFile(BaseModel):
                 update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
         if isinstance(self.auth, AuthCfg):
             update["auth"] = AuthCfg(token_file=fix(self.auth.token_file),
-                                     admin_token_file=fix(self.auth.admin_token_file))
+                                     admin_token_file=fix(self.auth.admin_token_file),
+                                     users_file=fix(self.auth.users_file))
         if self.tls is not None:
             update["tls"] = TlsCfg(cert_file=fix(self.tls.cert_file), key_file=fix(self.tls.key_file),
                                    ca_file=fix(self.tls.ca_file))
@@ -191,6 +211,7 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
     except ValidationError as err:
         raise SpecError(format_validation_error(err, ClusterFile)) from None
     cfg = cfg.with_absolute_paths(path.parent.resolve())
+    cfg._source = path.resolve()
     return cfg, Path(cfg.runs_dir)
 
 

@@ -24,7 +24,15 @@ import yaml
 
 from rlserve.cluster.config import ClusterFile
 from rlserve.cluster.loopback import BIND_HOST_ENV
-from rlserve.cluster.serve_config import APPS, app_args, args_version, serve_config, state_dir, token_files
+from rlserve.cluster.serve_config import (
+    APPS,
+    app_args,
+    args_version,
+    serve_config,
+    state_dir,
+    token_files,
+    users_file,
+)
 
 SETUP_HOOK = "rlserve.cluster.loopback.bind_loopback"
 
@@ -42,6 +50,11 @@ class Cluster:
     def token_files(self) -> tuple[Path, Path] | None:
         """(user, admin) token files; None with `auth: none`."""
         return token_files(self.cfg, self.runs_dir)
+
+    @property
+    def users_file(self) -> Path | None:
+        """Named users and their token digests (`deploy/serve users`); None with `auth: none`."""
+        return users_file(self.cfg, self.runs_dir)
 
     @property
     def ca_file(self) -> Path | None:
@@ -109,6 +122,11 @@ def node_marker(name: str) -> str:
     return f"rlserve_node_{name}"
 
 
+# Every process of the cluster writes its files for this user only: run folders 0700, files 0600
+# (specs, events, checkpoints, models: a run's data is its owner's).
+PRIVATE_UMASK = 0o077
+
+
 def start_head(cluster: Cluster) -> None:
     """Start `ray start --head --block` in its own session; its pid file lets `down` stop exactly it."""
     cfg = cluster.cfg
@@ -129,7 +147,7 @@ def start_head(cluster: Cluster) -> None:
     else:
         cmd.append("--include-dashboard=false")
     log = open(cluster.state_dir / "ray-head.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK,
                             env={**os.environ, **cluster.env()})
     (cluster.state_dir / "head.pid").write_text(f"{proc.pid}\n")
     try:
@@ -155,7 +173,7 @@ def start_node(cluster: Cluster, index: int) -> None:
            # Ray's fixed default would collide with the head's (and other nodes') agent on one machine.
            f"--dashboard-agent-listen-port={cfg.ray_port + 10 + index}"]
     log = open(cluster.state_dir / f"ray-node-{node.name}.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, umask=PRIVATE_UMASK,
                             env={**os.environ, **cluster.env()})
     log.close()
     pid_file.write_text(f"{proc.pid}\n")
@@ -180,6 +198,9 @@ def kill_node(cluster: Cluster, name: str) -> None:
     _pid_file(cluster, name).unlink(missing_ok=True)
 
 
+_CONNECT_ATTEMPTS = 6
+
+
 def connect(cluster: Cluster) -> None:
     """Attach this process to the cluster as a driver whose workers keep listeners on `host` (a process
     attached to another cluster is detached first)."""
@@ -190,8 +211,16 @@ def connect(cluster: Cluster) -> None:
         if ray.get_runtime_context().gcs_address == cluster.address:
             return
         _detach()
-    ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
-             runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": cluster.env()})
+    for attempt in range(_CONNECT_ATTEMPTS):  # a head just started may not have registered its node yet
+        try:
+            ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
+                     runtime_env={"worker_process_setup_hook": SETUP_HOOK, "env_vars": cluster.env()})
+            return
+        except ConnectionError:
+            if attempt == _CONNECT_ATTEMPTS - 1:
+                raise
+            ray.shutdown()
+            time.sleep(5)
 
 
 def _serve_start(cluster: Cluster, config: dict[str, Any]) -> None:

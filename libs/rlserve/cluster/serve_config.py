@@ -32,7 +32,7 @@ GATEWAY_NUM_CPUS = 0.05
 
 
 def state_dir(runs_dir: Path) -> Path:
-    """Cluster state (head pid, logs, deployed config, default token files)."""
+    """Cluster state (head pid, logs, deployed config, default token and users files)."""
     return runs_dir / ".cluster"
 
 
@@ -44,6 +44,13 @@ def token_files(cfg: ClusterFile, runs_dir: Path) -> tuple[Path, Path] | None:
             Path(cfg.auth.admin_token_file or state_dir(runs_dir) / "admin_token"))
 
 
+def users_file(cfg: ClusterFile, runs_dir: Path) -> Path | None:
+    """The users file (`deploy/serve users`), or None when the cluster file says `auth: none`."""
+    if cfg.auth == "none":
+        return None
+    return Path(cfg.auth.users_file or state_dir(runs_dir) / "users")
+
+
 def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
     return {"runs_dir": str(runs_dir), "model_dirs": list(cfg.model_dirs), "data_dirs": list(cfg.data_dirs)}
 
@@ -51,7 +58,9 @@ def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
 def _gateway(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
     tokens = token_files(cfg, runs_dir)
     return {"host": cfg.host, "port": cfg.grpc_port, "expose_internal": cfg.expose_internal,
-            "auth": None if tokens is None else {"token_file": str(tokens[0]), "admin_token_file": str(tokens[1])},
+            "limits": cfg.limits.model_dump(),
+            "auth": None if tokens is None else {"token_file": str(tokens[0]), "admin_token_file": str(tokens[1]),
+                                                 "users_file": str(users_file(cfg, runs_dir))},
             "tls": None if cfg.tls is None else {"cert_file": cfg.tls.cert_file, "key_file": cfg.tls.key_file}}
 
 
@@ -64,6 +73,9 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         args["allowed_plugins"] = list(cfg.reward.allowed_plugins)
     if name == "coordinator":
         args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
+        args["quotas"] = cfg.quotas.model_dump(exclude_none=True)
+        # Re-read by the coordinator when it changes (its quotas); None for a config built in code.
+        args["cluster_file"] = str(cfg.source) if cfg.source else None
     if name == "gateway":
         args.update(_gateway(cfg, runs_dir))
         # One replica on the head node: it binds the endpoint's port, and stops before a new one starts.

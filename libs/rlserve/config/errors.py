@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any
+from typing import Any, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -32,13 +32,16 @@ _KEY_PREFIX = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.S)
 def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The model class that owns the last element of `loc`, or None."""
     model: Any = root
+    mapping_key = False  # the part after a dict-valued field is a key of it (`quotas.users.alice`)
     for part in loc[:-1]:
-        if isinstance(part, int):
+        if isinstance(part, int) or mapping_key:
+            mapping_key = False
             continue
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return None
         ann = field.annotation
+        mapping_key = get_origin(ann) is dict
         candidates = [ann, *getattr(ann, "__args__", ())]
         model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
         if model is None:

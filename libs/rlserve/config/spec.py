@@ -14,7 +14,7 @@ of 2**70 once made every later ListRuns fail).
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -45,10 +45,30 @@ StopString = Annotated[str, Field(min_length=1, max_length=256)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
+def _takes_bool(annotation: Any) -> bool:
+    return annotation is bool or any(_takes_bool(a) for a in get_args(annotation))
+
+
+def _takes_number(annotation: Any) -> bool:
+    return annotation in (int, float) or any(_takes_number(a) for a in get_args(annotation))
+
+
 class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, values are checked on assignment, floats finite."""
+    """Base of every spec section: unknown keys are errors, values are checked on assignment, floats finite,
+    and a number field never takes true/false (pydantic would read `max_num_steps: true` as 1)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key) if isinstance(key, str) else None
+                if isinstance(value, bool) and field is not None and _takes_number(field.annotation) \
+                        and not _takes_bool(field.annotation):
+                    raise ValueError(f"{key}: a number, not {str(value).lower()}")
+        return data
 
 
 class AdamWKwargs(Section):
@@ -441,6 +461,10 @@ class DataCfg(Section):
     def _paths(self) -> DataCfg:
         if self.task in FILE_TASKS and not self.train_path:
             raise ValueError(f"data.train_path: required when data.task is {self.task!r}")
+        if self.task not in FILE_TASKS and (self.train_path or self.val_path):
+            key = "train_path" if self.train_path else "val_path"
+            raise ValueError(f"data.{key}: the {self.task!r} task generates its examples and reads no file; set "
+                             f"data.task to {' or '.join(FILE_TASKS)} to train on files")
         if self.task not in FILE_TASKS and self.columns != DataColumnsCfg():
             raise ValueError(f"data.columns: only for data files (data.task: {' or '.join(FILE_TASKS)})")
         if self.system_prompt is not None and self.prompt_format != "chat":

@@ -1,7 +1,7 @@
 """Every RPC of the rlserve.v1 services, which application serves it, and who may call it.
 
 Run-facing RPCs (the Coordinator service) are public: a user token reaches
-them. The services the coordinator calls by handle (Rollout, Reward,
+them, and they act for the caller (the gateway passes its principal). The services the coordinator calls by handle (Rollout, Reward,
 Reference, Learner) are internal: the gateway serves them only when the
 cluster file sets `expose_internal`, and then to admin tokens only.
 """
@@ -34,6 +34,11 @@ class RpcMethod:
     response: type[Message]
     server_streaming: bool
     public: bool
+
+    @property
+    def takes_caller(self) -> bool:
+        """The run-facing RPCs act for the caller: the gateway passes its principal after the request."""
+        return self.public
 
     @property
     def path(self) -> str:

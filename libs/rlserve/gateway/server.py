@@ -2,10 +2,13 @@
 
 Ray Serve 2.60's gRPC proxy has no hook for authentication (its server takes
 no interceptors, and HTTP middlewares do not apply to gRPC), so the public
-endpoint is this small grpc.aio server. An interceptor checks the bearer
-token before anything else runs: a call without a valid token gets
-UNAUTHENTICATED whatever method it names, before its request is even
-decoded. Handlers take raw bytes, so undecodable requests are
+endpoint is this small grpc.aio server. An interceptor resolves the bearer
+token to its principal before anything else runs: a call without a valid
+token gets UNAUTHENTICATED whatever method it names, before its request is
+even decoded. The interceptor then builds the call's handler for that
+principal, so the forwarder receives it as an argument (the run-facing RPCs
+pass it on to the coordinator) and the caller's limits key on its name.
+Handlers take raw bytes, so undecodable requests are
 INVALID_ARGUMENT (not grpcio's INTERNAL), and an unknown method is grpcio's
 UNIMPLEMENTED. What a forwarded call raises becomes its status through
 `rlserve.rpc.status_of`: one clean line, never a traceback.
@@ -22,15 +25,20 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from rlserve.gateway.limits import CallerLimits, Limiter, OverLimit
 from rlserve.gateway.methods import RpcMethod, all_methods
 from rlserve.logs import event
 from rlserve.rpc import clean, status_of
-from rlserve.security.tokens import Role, TokenStore, bearer_token
+from rlserve.security.identity import TokenStore
+from rlserve.security.principal import Principal
+from rlserve.security.tokens import bearer_token
 
 log = logging.getLogger("rlserve.gateway")
 
-Forward = Callable[[RpcMethod, Message], Awaitable[Message]]
-ForwardStream = Callable[[RpcMethod, Message], AsyncIterator[Message]]
+# (method, request, the caller's principal; None without authentication) -> response (or a stream of them).
+Forward = Callable[[RpcMethod, Message, Principal | None], Awaitable[Message]]
+ForwardStream = Callable[[RpcMethod, Message, Principal | None], AsyncIterator[Message]]
+Handlers = Callable[[RpcMethod, Principal | None], grpc.RpcMethodHandler]
 # Health checks answer without a token (load balancers probe them); they reveal nothing.
 _OPEN = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
@@ -43,6 +51,7 @@ class GatewayConfig:
     tokens: TokenStore | None
     expose_internal: bool
     apps: dict[str, str]
+    limits: CallerLimits
     cert_file: Path | None = None
     key_file: Path | None = None
     max_message_mb: int = 64
@@ -55,27 +64,73 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED without a valid token; PERMISSION_DENIED for an internal RPC without an admin token."""
+    """UNAUTHENTICATED without a valid token; PERMISSION_DENIED for an internal RPC without an admin token;
+    every admitted call handled for its principal (`handlers`) within its caller's limits (`limits.py`)."""
 
-    def __init__(self, tokens: TokenStore | None, methods: dict[str, RpcMethod]):
+    def __init__(self, tokens: TokenStore | None, methods: dict[str, RpcMethod], limiter: Limiter,
+                 handlers: Handlers):
         self.tokens = tokens
         self.methods = methods
+        self.limiter = limiter
+        self.handlers = handlers
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if self.tokens is None or details.method in _OPEN:
+        if details.method in _OPEN:
             return await continuation(details)
-        role = self.tokens.role_of(bearer_token(details.invocation_metadata))
-        if role is None:
+        method = self.methods.get(details.method)
+        if self.tokens is None:
+            return _limited(self.handlers(method, None) if method else None, self.limiter, None, method)
+        principal = self.tokens.principal_of(bearer_token(details.invocation_metadata))
+        if principal is None:
             event(log, "gateway.unauthenticated", logging.WARNING, method=clean(details.method)[:200])
             return _deny(grpc.StatusCode.UNAUTHENTICATED,
                          "a valid `authorization: Bearer TOKEN` is required (`deploy/serve token` shows where "
                          "the cluster's token file is)")
-        method = self.methods.get(details.method)
-        if method is not None and not method.public and role < Role.ADMIN:
-            event(log, "gateway.forbidden", logging.WARNING, method=details.method)
+        if method is None:
+            return None  # grpcio answers UNIMPLEMENTED
+        if not method.public and not principal.is_admin:
+            event(log, "gateway.forbidden", logging.WARNING, method=details.method, caller=principal.name)
             return _deny(grpc.StatusCode.PERMISSION_DENIED, f"{details.method} is an internal RPC: it needs an "
                                                             f"admin token")
-        return await continuation(details)
+        return _limited(self.handlers(method, principal), self.limiter, principal.name, method)
+
+
+def _limited(handler: grpc.RpcMethodHandler | None, limiter: Limiter, caller: str | None,
+             method: RpcMethod | None) -> grpc.RpcMethodHandler | None:
+    """`handler` run within the caller's limits: a slot taken before the request is decoded, given back
+    when the call (or the stream) ends. `caller`: the principal's name; None (no authentication): the peer's
+    address."""
+    if handler is None or method is None:
+        return handler  # grpcio answers UNIMPLEMENTED
+
+    def admit(raw: bytes, context: grpc.aio.ServicerContext) -> str:
+        key = caller or context.peer().rsplit(":", 1)[0]
+        limiter.admit(key, method.server_streaming, len(raw), method.public)
+        return key
+
+    if method.server_streaming:
+        async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            try:
+                key = admit(raw, context)
+            except OverLimit as err:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            try:
+                async for item in handler.unary_stream(raw, context):
+                    yield item
+            finally:
+                limiter.release(key, streaming=True)
+        return grpc.unary_stream_rpc_method_handler(stream)
+
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            key = admit(raw, context)
+        except OverLimit as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        try:
+            return await handler.unary_unary(raw, context)
+        finally:
+            limiter.release(key, streaming=False)
+    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def _decode(method: RpcMethod, raw: bytes) -> Message | None:
@@ -85,14 +140,14 @@ def _decode(method: RpcMethod, raw: bytes) -> Message | None:
         return None
 
 
-def _unary_handler(method: RpcMethod, forward: Forward) -> grpc.RpcMethodHandler:
+def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None) -> grpc.RpcMethodHandler:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = _decode(method, raw)
         if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: not a valid {method.request.DESCRIPTOR.full_name}")
         try:
-            response = await forward(method, request)
+            response = await forward(method, request, caller)
             data = response.SerializeToString()
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             status = status_of(err)
@@ -102,7 +157,8 @@ def _unary_handler(method: RpcMethod, forward: Forward) -> grpc.RpcMethodHandler
     return grpc.unary_unary_rpc_method_handler(handle)
 
 
-def _stream_handler(method: RpcMethod, forward_stream: ForwardStream) -> grpc.RpcMethodHandler:
+def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Principal | None
+                    ) -> grpc.RpcMethodHandler:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         request = _decode(method, raw)
         if request is None:
@@ -110,7 +166,7 @@ def _stream_handler(method: RpcMethod, forward_stream: ForwardStream) -> grpc.Rp
                                 f"request: not a valid {method.request.DESCRIPTOR.full_name}")
         status = None
         try:
-            async for item in forward_stream(method, request):
+            async for item in forward_stream(method, request, caller):
                 yield item.SerializeToString()
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             status = status_of(err)
@@ -128,16 +184,22 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     """Bind and start the endpoint on the running event loop; raises if the address cannot be bound."""
     methods = served_methods(cfg)
     limit = cfg.max_message_mb * 2**20
+
+    def handlers(method: RpcMethod, caller: Principal | None) -> grpc.RpcMethodHandler:
+        return (_stream_handler(method, forward_stream, caller) if method.server_streaming
+                else _unary_handler(method, forward, caller))
+
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods})],
+        interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods}, Limiter(cfg.limits), handlers)],
         # No port sharing: another process of this user must not be able to bind the endpoint too.
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", limit),
-                 ("grpc.max_send_message_length", limit)])
-    by_service: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
-    for m in methods:
-        handler = _stream_handler(m, forward_stream) if m.server_streaming else _unary_handler(m, forward)
-        by_service.setdefault(m.service, {})[m.name] = handler
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(s, h) for s, h in by_service.items()])
+                 ("grpc.max_send_message_length", limit),
+                 # Pings on quiet connections: a client that vanished without closing its streams is
+                 # noticed within ~80 s and its stream slots are given back.
+                 ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
+    # The interceptor hands out every rlserve method's handler (it alone knows the caller); the server's own
+    # table holds only the health service.
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{cfg.host}:{cfg.port}"
@@ -149,7 +211,7 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     if not bound:
         raise RuntimeError(f"gateway: cannot bind {address}")
     await server.start()
-    for service in by_service:
+    for service in sorted({m.service for m in methods}):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     event(log, "gateway.ready", address=address, tls=cfg.cert_file is not None, auth=cfg.tokens is not None,

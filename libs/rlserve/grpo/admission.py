@@ -1,8 +1,9 @@
 """Admission of a GRPO run: what SubmitRun checks before queueing it, and the preflight before it starts.
 
 `check` runs on the request path and is cheap: the spec's plug-ins and reward
-server are allow-listed, its files lie in the cluster's directories (and are
-returned as confined absolute paths), the learner backend can train the
+server are allow-listed, its files lie in the cluster's directories, and in
+the runs directory only in the caller's own runs (they are returned as
+confined absolute paths), the learner backend can train the
 model (from its config alone), and the generation settings match the
 deployed rollout (filled in where unset). `preflight` runs off the request
 path, within the run manager's `preflight_timeout_s`, and checks what needs
@@ -24,14 +25,14 @@ from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.grpo.retry import RetryPolicy
-from rlserve.grpo.services import RunServices, ServiceFailure
+from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
 from rlserve.learner.lora import LoraMismatch, check_lora
 from rlserve.learner.registry import UnsupportedModel, check_model
 from rlserve.models import hf_config, resolve_model
 from rlserve.rollout.deployed import match_generation
 from rlserve.rpc import failed_precondition, invalid_argument, permission_denied
 from rlserve.runs.manager import Admission
-from rlserve.security.paths import PathPolicy
+from rlserve.security.paths import PathPolicy, RunAccess
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import reward_pb2, rollout_pb2
 from rlserve.weights.specs import checkpoint_specs, fingerprint
@@ -50,10 +51,11 @@ class GrpoAdmission(Admission):
         self.max_data_file_mb = max_data_file_mb
         self.connect = connect
 
-    async def check(self, spec: RunSpec) -> RunSpec:
+    async def check(self, spec: RunSpec, run_access: RunAccess | None) -> RunSpec:
         self._check_plugins(spec)
         spec = spec.model_copy(deep=True)
-        spec.policy.model_name = self.paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
+        paths = self.paths.for_runs(run_access)
+        spec.policy.model_name = paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
         try:
             config = await asyncio.to_thread(hf_config, spec.policy.model_name)
         except (OSError, ValueError) as err:
@@ -66,14 +68,16 @@ class GrpoAdmission(Admission):
             await asyncio.to_thread(check_lora, spec, config)
         except LoraMismatch as err:
             raise invalid_argument(f"spec_yaml: {err.field}", err.reason) from None
-        self._confine_data(spec)
+        self._confine_data(spec, paths)
         services = self.connect(None, RetryPolicy(retries=1, timeout_s=30))
         try:
             info = await services.rollout_info()
+            capacity = await services.capacity()
         except ServiceFailure as err:
             raise failed_precondition(f"the rollout service does not answer: {err}") from None
         finally:
             await services.close()
+        self._check_resources(spec, capacity)
         spec, problems = match_generation(spec, info)
         if problems:
             raise failed_precondition("; ".join(problems))
@@ -82,6 +86,21 @@ class GrpoAdmission(Admission):
                                       f" exceeds the rollout's max_model_len {info.max_model_len}")
         self._check_lora_serving(spec, info)
         return spec
+
+    @staticmethod
+    def _check_resources(spec: RunSpec, capacity: Capacity) -> None:
+        """The learner's workers must fit the cluster (else they would wait for resources that never come)."""
+        cl = spec.cluster
+        cpus, gpus = cl.num_workers * cl.cpus_per_worker, cl.num_workers * cl.gpus_per_worker
+        if cpus > capacity.cpus:
+            raise failed_precondition(f"cluster.num_workers x cluster.cpus_per_worker: {cl.num_workers} x "
+                                      f"{cl.cpus_per_worker:g} = {cpus:g} CPUs; the cluster has {capacity.cpus:g}")
+        if gpus > capacity.gpus:
+            raise failed_precondition(f"cluster.num_workers x cluster.gpus_per_worker: {cl.num_workers} x "
+                                      f"{cl.gpus_per_worker:g} = {gpus:g} GPUs; the cluster has {capacity.gpus:g}")
+        if cl.torch_threads > capacity.node_cpus:
+            raise failed_precondition(f"cluster.torch_threads: {cl.torch_threads} threads per worker; a node of "
+                                      f"this cluster has at most {capacity.node_cpus:g} CPUs")
 
     @staticmethod
     def _check_lora_serving(spec: RunSpec, info: rollout_pb2.GetInfoResponse) -> None:
@@ -107,13 +126,13 @@ class GrpoAdmission(Admission):
                                     f"cluster allows; an operator can add it to `reward.allowed_endpoints` "
                                     f"in the cluster file")
 
-    def _confine_data(self, spec: RunSpec) -> None:
+    def _confine_data(self, spec: RunSpec, paths: PathPolicy) -> None:
         for key in ("train_path", "val_path"):
             value = getattr(spec.data, key)
             if value is None:
                 continue
             field = f"spec_yaml: data.{key}"
-            path = self.paths.data(field, value)
+            path = paths.data(field, value)
             if not path.is_file():
                 raise invalid_argument(field, f"{value[:200]!r}: no such file")
             if path.stat().st_size > self.max_data_file_mb * 2**20:

@@ -16,14 +16,18 @@ this off (the run then fails, and `rlserve submit --resume` continues it).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from rlserve.grpo.loop import GrpoAttempt
-from rlserve.grpo.services import RunServices, RunStateLost
+from rlserve.grpo.services import RunServices, RunStateLost, ServiceFailure
 from rlserve.grpo.state import LoopSettings, RunInputs
+from rlserve.logs import event
 from rlserve.runs.record import Run
 from rlserve.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("rlserve.coordinator")
 
 
 @dataclass
@@ -71,4 +75,8 @@ async def run_grpo(run: Run, services: RunServices, settings: LoopSettings) -> N
                 run.emit(pb.EVENT_KIND_INFO, f"the run lost state at step {run.step}: {err}; restoring the last "
                          f"checkpoint (recovery {budget.used}/{budget.max_attempts})")
     finally:
+        try:
+            await asyncio.shield(services.release_learner(run.run_id))  # its workers hold CPUs and GPUs
+        except ServiceFailure as err:
+            event(log, "run.learner_not_released", logging.WARNING, run=run.run_id, error=str(err)[:300])
         await services.close()

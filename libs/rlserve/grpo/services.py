@@ -15,6 +15,7 @@ rollout's weights), which only a restore from the last checkpoint can mend.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, rollout_pb2
@@ -26,6 +27,13 @@ class ServiceFailure(Exception):
 
 class RunStateLost(ServiceFailure):
     """A service no longer holds the run's state (ABORTED); the run continues only from a checkpoint."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    cpus: float  # logical CPUs of the whole cluster
+    gpus: float
+    node_cpus: float  # the most logical CPUs one node has (a worker's threads run on one node)
 
 
 class RunServices(ABC):
@@ -62,6 +70,15 @@ class RunServices(ABC):
 
     @abstractmethod
     async def load_checkpoint(self, req: learner_pb2.LoadCheckpointRequest) -> learner_pb2.LoadCheckpointResponse: ...
+
+    @abstractmethod
+    async def release_learner(self, run_id: str) -> None:
+        """End the run's training session (its workers' CPUs and GPUs go back to the cluster)."""
+
+    # --- the cluster -----------------------------------------------------------------------
+    @abstractmethod
+    async def capacity(self) -> Capacity:
+        """What the cluster has for learner workers."""
 
     # --- bookkeeping ---------------------------------------------------------------------
     def oldest_pending(self) -> tuple[str, float] | None:

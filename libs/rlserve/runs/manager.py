@@ -15,6 +15,15 @@ preflight passed. Run ids name folders in the runs directory, so a new id
 and a resumed one are checked alike; a run that SUCCEEDED or was CANCELLED
 is resumed only to extend it (a larger `grpo.max_num_steps`).
 
+Every call acts for a principal (`rlserve.security.principal`): a run
+belongs to its submitter, and a user sees and acts on their own runs only.
+Another user's run answers exactly what a run that does not exist answers
+(NOT_FOUND, the same message), a new run's id starts with its owner's name
+(`alice.exp1`), so ALREADY_EXISTS only ever names the caller's own runs, and
+a spec may name only the caller's own run folders. Admins see every run and
+its owner. Per-user quotas (`quotas.py`) bound a user's unfinished runs, their
+queued runs and the size of a run.
+
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
 A run that ends has a balanced ledger: what was in flight when it failed or
 was cancelled is dropped with reason `failed` or `cancelled`.
@@ -31,12 +40,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from rlserve.config import RunSpec, SpecError, load_spec, spec_to_yaml
+from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
-from rlserve.runs.record import STATE_NAMES, TERMINAL, Run
+from rlserve.runs.quotas import Quotas
+from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run
+from rlserve.security.paths import RunAccess
+from rlserve.security.principal import SYSTEM, Principal
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
+# Finished runs whose events stay in memory (the newest ones; the others' are read back when asked).
+EVENTS_KEPT = 16
 # A run id is a folder name inside the runs directory: no separators, no '..', not hidden.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -48,7 +65,8 @@ class Admission:
     with its files as confined absolute paths) and before it starts (`preflight`, off the request path,
     bounded by the manager's time-out). `rlserve.grpo.admission.GrpoAdmission` is the GRPO one."""
 
-    async def check(self, spec: RunSpec) -> RunSpec:
+    async def check(self, spec: RunSpec, run_access: RunAccess | None) -> RunSpec:
+        """`run_access`: the run folders the caller may name (None: every one)."""
         return spec
 
     async def preflight(self, spec: RunSpec) -> None:
@@ -77,14 +95,35 @@ def check_run_id(run_id: str) -> None:
                                          f"letter or digit")
 
 
+def scoped_run_id(caller: Principal, run_id: str) -> str:
+    """A new run's id in its owner's namespace, `NAME.ID` (kept if it starts so already): one user's ids never
+    collide with another's, so a taken id tells nothing about other users' runs. The cluster's own calls
+    (and an endpoint without authentication) keep the id as given."""
+    if caller.name == SYSTEM.name or run_id.startswith(caller.name + "."):
+        return run_id
+    scoped = f"{caller.name}.{run_id}"
+    if not _RUN_ID.fullmatch(scoped):
+        raise invalid_argument("run_id", f"{caller.name}.{run_id[:80]!r}: with your name in front, at most 128 "
+                                         f"characters")
+    return scoped
+
+
+def _not_found(run_id: str) -> RpcError:
+    """What a run the caller may not see answers: exactly what a run that does not exist answers."""
+    return not_found(f"run {run_id!r}")
+
+
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
-                 resume_on_restart: bool = True):
+                 resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None):
         self.runs_dir = runs_dir
         self.body = body
         self.admission = admission
         self.preflight_timeout_s = preflight_timeout_s
         self.resume_on_restart = resume_on_restart
+        self.max_queued_runs = max_queued_runs
+        # None: no per-user quotas (the coordinator always passes the cluster file's).
+        self.quotas = quotas
         self._slots: dict[str, _Slot] = {}
         self.queue: list[str] = []
         self.closing = False
@@ -122,32 +161,53 @@ class RunManager:
                        else "the coordinator's resume_on_restart is off")
                 run.end(pb.RUN_STATE_FAILED, f"the coordinator stopped while the run was {was} ({why}); resume "
                         f"with `rlserve submit --resume {run.run_id}`", reason="failed")
+        self._forget_old_events()
         if self.queue:
             self._schedule()
 
+    def _forget_old_events(self) -> None:
+        finished = sorted((s.run for s in self._slots.values() if s.run.state in TERMINAL), key=lambda r: r.updated)
+        for run in finished[:-EVENTS_KEPT]:
+            run.forget_events()
+
     def _load_spec(self, spec_yaml: str) -> RunSpec:
+        """Parsing runs in a worker thread (its cost is bounded, `rlserve.config.load_spec`), so one
+        caller's spec never holds up the others' calls."""
         try:
             return load_spec(spec_yaml)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
 
-    async def _resumed_spec(self, run_id: str, spec_yaml: str) -> RunSpec:
+    def _visible(self, run_id: str, caller: Principal) -> _Slot | None:
+        slot = self._slots.get(run_id)
+        return slot if slot is not None and caller.may_access(slot.run.owner) else None
+
+    def _run_access(self, caller: Principal) -> RunAccess | None:
+        """The run folders a spec of `caller` may name: their own runs' (every one for an admin)."""
+        if caller.is_admin:
+            return None
+        return lambda folder: self._visible(folder, caller) is not None
+
+    async def _resumed_spec(self, run_id: str, spec_yaml: str, caller: Principal) -> RunSpec:
         """The stored spec; with `spec_yaml`, that spec, which may differ only in grpo.max_num_steps.
 
         A run that SUCCEEDED or was CANCELLED is resumed only when the request asks to extend it: a spec
-        whose grpo.max_num_steps is larger than the steps it did.
+        whose grpo.max_num_steps is larger than the steps it did. A run folder without a record (its run.json
+        unreadable) has no owner to check: only an admin resumes it.
         """
         run_dir = self.runs_dir / run_id
-        if not (run_dir / "spec.yaml").is_file():
-            raise not_found(f"run {run_id!r} has no run directory in {self.runs_dir}")
-        slot = self._slots.get(run_id)
+        slot = self._visible(run_id, caller)
+        if not (run_dir / "spec.yaml").is_file() or (slot is None and not caller.is_admin):
+            raise _not_found(run_id)
         earlier = slot.run if slot else None
         if earlier is not None and earlier.state not in TERMINAL:
             raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[earlier.state]}")
-        stored = await self.admission.check(self._load_spec((run_dir / "spec.yaml").read_text()))
+        access = self._run_access(caller)
+        stored = await self.admission.check(await asyncio.to_thread(self._load_spec,
+                                                                   (run_dir / "spec.yaml").read_text()), access)
         spec = stored
         if spec_yaml.strip():
-            spec = await self.admission.check(self._load_spec(spec_yaml))
+            spec = await self.admission.check(await asyncio.to_thread(self._load_spec, spec_yaml), access)
             mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
             mine["grpo"].pop("max_num_steps")
             theirs["grpo"].pop("max_num_steps")
@@ -160,25 +220,48 @@ class RunManager:
                 f"with a spec whose grpo.max_num_steps is larger than {earlier.step}")
         return spec
 
-    async def submit(self, spec_yaml: str, run_id: str, resume: bool) -> Run:
+    async def _new_spec(self, spec_yaml: str, run_id: str, caller: Principal) -> tuple[RunSpec, str]:
+        """A new run's spec (its files confined) and its id in the caller's namespace."""
+        spec = await asyncio.to_thread(self._load_spec, spec_yaml)
+        run_id = scoped_run_id(caller, run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-"
+                                                 f"{secrets.token_hex(2)}")
+        if run_id in self._slots or (self.runs_dir / run_id).exists():
+            raise already_exists(f"run {run_id!r} exists")
+        # Files confined to the cluster's directories (and the caller's own runs), plug-ins and reward
+        # servers allow-listed.
+        return await self.admission.check(spec, self._run_access(caller)), run_id
+
+    def _counts(self, caller: Principal) -> tuple[int, int]:
+        """`caller`'s runs that have not finished, and those of them that wait in the queue."""
+        mine = [s.run for s in self._slots.values() if s.run.owner == caller.name]
+        return (sum(r.state not in TERMINAL for r in mine),
+                sum(self._slots[run_id].run.owner == caller.name for run_id in self.queue))
+
+    async def submit(self, spec_yaml: str, run_id: str, resume: bool, caller: Principal) -> Run:
         if resume and not run_id:
             raise invalid_argument("run_id", "required with resume")
+        if len(self.queue) >= self.max_queued_runs:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.queue)} runs are queued already, the "
+                           f"most this coordinator holds (max_queued_runs); submit when some have started")
         if run_id:
             check_run_id(run_id)
         if resume:
-            spec = await self._resumed_spec(run_id, spec_yaml)
+            spec = await self._resumed_spec(run_id, spec_yaml, caller)
         else:
-            spec = self._load_spec(spec_yaml)
-            if run_id and (run_id in self._slots or (self.runs_dir / run_id).exists()):
+            spec, run_id = await self._new_spec(spec_yaml, run_id, caller)
+            if run_id in self._slots:  # taken by a call of the same caller while this one was checked
                 raise already_exists(f"run {run_id!r} exists")
-            run_id = run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-            # Files confined to the cluster's directories, plug-ins and reward servers allow-listed.
-            spec = await self.admission.check(spec)
+        # From here to the queue without an await: two calls at once cannot both take a user's last place.
+        if self.quotas is not None:
+            self.quotas.check_submit(caller, spec, *self._counts(caller))
         run_dir = self.runs_dir / run_id
-        # A resumed run keeps its history (events, ledger, step) until its checkpoint is restored.
-        slot = self._slots.get(run_id) if resume else None
-        slot = _Slot(slot.run if slot else Run(run_id, spec, run_dir))
-        run = slot.run
+        earlier = self._slots.get(run_id) if resume else None
+        if earlier is not None:
+            run = earlier.run  # it keeps its history (events, ledger, step) and owner until its checkpoint is restored
+        else:
+            # A resumed folder without a record has no owner on record: like runs from before owners, `user`'s.
+            run = Run(run_id, spec, run_dir, LEGACY_OWNER if resume else caller.name)
+        slot = _Slot(run)
         run.spec = spec
         if resume:
             run.resume_reason = "resumed by SubmitRun"
@@ -186,6 +269,8 @@ class RunManager:
         self._slots[run_id] = slot
         self.queue.append(run_id)
         run.set_state(pb.RUN_STATE_QUEUED)
+        run.emit(pb.EVENT_KIND_INFO, f"{'resumed' if resume else 'submitted'} by {caller.name}")
+        event(log, "run.submitted", run=run_id, owner=run.owner, caller=caller.name, resume=resume)
         slot.preflight = asyncio.get_running_loop().create_task(self._preflight(slot))
         return run
 
@@ -218,31 +303,37 @@ class RunManager:
         run.end(pb.RUN_STATE_FAILED, message, reason="failed")
         run.recorder.close()
 
-    def list_protos(self) -> list[pb.Run]:
+    def list_protos(self, caller: Principal) -> list[pb.Run]:
+        """The runs `caller` may see (an admin: every run, with its owner)."""
         protos = []
         for slot in self._slots.values():
+            if not caller.may_access(slot.run.owner):
+                continue
             try:
                 protos.append(slot.run.to_proto())
             except (ValueError, TypeError) as err:  # one bad record must not hide the others
                 log.warning("run %s cannot be listed: %s", slot.run.run_id, err)
         return protos
 
-    def get(self, run_id: str) -> Run:
-        slot = self._slots.get(run_id)
+    def get(self, run_id: str, caller: Principal) -> Run:
+        """The run, if `caller` may see it; another user's run is NOT_FOUND exactly like a missing one."""
+        slot = self._visible(run_id, caller)
         if slot is None:
-            raise not_found(f"run {run_id!r}")
+            raise _not_found(run_id)
         return slot.run
 
     def task(self, run_id: str) -> asyncio.Task | None:
         """The task running the run's body (None before it starts)."""
         return self._slots[run_id].task
 
-    def cancel(self, run_id: str) -> Run:
+    def cancel(self, run_id: str, caller: Principal) -> Run:
         """A queued run is cancelled at once; a running one becomes CANCELLING until its tasks stop."""
-        run = self.get(run_id)
+        run = self.get(run_id, caller)
         slot = self._slots[run_id]
         if run.state in TERMINAL or run.state == pb.RUN_STATE_CANCELLING:
             return run
+        run.emit(pb.EVENT_KIND_INFO, f"CancelRun by {caller.name}")
+        event(log, "run.cancel", run=run_id, owner=run.owner, caller=caller.name)
         if run_id in self.queue:
             self.queue.remove(run_id)
             if slot.preflight is not None:
@@ -272,6 +363,15 @@ class RunManager:
             head.cancel_requested = False
             head.run.set_state(pb.RUN_STATE_RUNNING)
             head.task = asyncio.get_running_loop().create_task(self._execute(head))
+            head.task.add_done_callback(lambda task, slot=head: self._cancelled_before_start(slot, task))
+
+    def _cancelled_before_start(self, slot: _Slot, task: asyncio.Task) -> None:
+        """A task cancelled before its first step never enters `_execute` (the cancellation is thrown
+        into the coroutine before its `try`): end the run here, or it would stay CANCELLING for good."""
+        if task.cancelled() and slot.cancel_requested and slot.run.state not in TERMINAL:
+            slot.run.end(pb.RUN_STATE_CANCELLED, f"by CancelRun at step {slot.run.step}", reason="cancelled")
+            slot.run.recorder.close()
+            self._schedule()
 
     async def _execute(self, slot: _Slot) -> None:
         run = slot.run
@@ -290,4 +390,5 @@ class RunManager:
             run.emit(pb.EVENT_KIND_ERROR, message)
             run.end(pb.RUN_STATE_FAILED, message, reason="failed")
         run.recorder.close()
+        self._forget_old_events()
         self._schedule()

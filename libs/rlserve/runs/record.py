@@ -20,6 +20,7 @@ from rlserve.config import RunSpec, load_spec
 from rlserve.logs import event
 from rlserve.runs.ledger import Ledger
 from rlserve.runs.recorder import Recorder
+from rlserve.security.principal import LEGACY_USER
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
@@ -28,11 +29,15 @@ STATE_NAMES = {v: pb.RunState.Name(v).removeprefix("RUN_STATE_").lower() for v i
 _STATES = {name: value for value, name in STATE_NAMES.items()}
 _KIND_NAMES = {v: pb.EventKind.Name(v).removeprefix("EVENT_KIND_").lower() for v in pb.EventKind.values()}
 _KINDS = {name: value for value, name in _KIND_NAMES.items()}
+# The owner of a run recorded before runs had owners: the principal of the single `token` file.
+LEGACY_OWNER = LEGACY_USER
 
 
 class Run:
-    def __init__(self, run_id: str, spec: RunSpec, run_dir: Path):
+    def __init__(self, run_id: str, spec: RunSpec, run_dir: Path, owner: str = LEGACY_OWNER):
         self.run_id, self.spec, self.run_dir = run_id, spec, run_dir
+        # The principal that submitted it (by name): only they and admins see it, and their quotas count it.
+        self.owner = owner
         self.state = pb.RUN_STATE_QUEUED
         self.step = 0
         self.version = 0
@@ -42,13 +47,26 @@ class Run:
         self.created = self.updated = time.time()
         self.final_model_path = ""
         self.plot_path = ""
-        self.events: list[pb.RunEvent] = []
+        self._events: list[pb.RunEvent] | None = []
         self._changed = asyncio.Condition()
         self.recorder = Recorder(run_dir, spec.logger.tensorboard_enabled)
         # Non-empty: the next start continues from the last checkpoint, and this says why.
         self.resume_reason = ""
 
     # --- events --------------------------------------------------------------
+
+    @property
+    def events(self) -> list[pb.RunEvent]:
+        """Every event so far (read back from events.jsonl when `forget_events` let them go)."""
+        if self._events is None:
+            self._load_events()
+        return self._events
+
+    def forget_events(self) -> None:
+        """Drop the in-memory copy of a finished run's events (they are on disk): a coordinator that has run
+        hundreds of runs keeps their records, not their histories."""
+        if self.state in TERMINAL:
+            self._events = None
 
     def emit(self, kind: int, message: str, metrics: dict[str, float] | None = None, step: int | None = None) -> None:
         ev = pb.RunEvent(sequence=len(self.events), time_unix=time.time(), run_id=self.run_id,
@@ -65,7 +83,7 @@ class Run:
 
     def _load_events(self) -> None:
         """events.jsonl as written by `emit`; sequence numbers are positions, so new events continue them."""
-        self.events = [pb.RunEvent(sequence=i, time_unix=r["time"], run_id=self.run_id, step=r["step"],
+        self._events = [pb.RunEvent(sequence=i, time_unix=r["time"], run_id=self.run_id, step=r["step"],
                                    kind=_KINDS.get(r["kind"], pb.EVENT_KIND_UNSPECIFIED), message=r["message"],
                                    metrics=r["metrics"], state=_STATES.get(r.get("state", ""), 0))
                        for i, r in enumerate(self.recorder.read("events.jsonl"))]
@@ -95,11 +113,19 @@ class Run:
                       {f"dropped/{reason}": float(n)})
         self.set_state(state, detail)
 
-    async def watch(self, from_sequence: int) -> AsyncIterator[pb.RunEvent]:
+    async def watch(self, from_sequence: int, max_s: float) -> AsyncIterator[pb.RunEvent]:
+        """Events from `from_sequence` on, until the run ends or `max_s` pass (the caller then continues
+        from the next sequence number: a stream never holds the service for good)."""
         seq = from_sequence
+        deadline = time.monotonic() + max_s
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: len(self.events) > seq or self.state in TERMINAL)
+                try:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: len(self.events) > seq or self.state in TERMINAL),
+                        max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    return
             while seq < len(self.events):
                 yield self.events[seq]
                 seq += 1
@@ -113,13 +139,17 @@ class Run:
                       max_steps=self.spec.grpo.max_num_steps, weight_version=self.version, run_dir=str(self.run_dir),
                       error=self.error, ledger=self.ledger.to_proto(), last_metrics=self.last_metrics,
                       created_unix=self.created, updated_unix=self.updated,
-                      final_model_path=self.final_model_path, plot_path=self.plot_path)
+                      final_model_path=self.final_model_path, plot_path=self.plot_path,
+                      owner=self.owner)
 
     @classmethod
     def from_disk(cls, run_dir: Path) -> Run:
         """A run of an earlier coordinator, as its run.json and events.jsonl left it."""
         info = json.loads((run_dir / "run.json").read_text())
-        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir)
+        owner = info.get("owner", LEGACY_OWNER)
+        if not isinstance(owner, str):
+            raise ValueError(f"owner: {owner!r} is not a principal's name")
+        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir, owner)
         run.state = _STATES[info["state"]]
         run.step, run.version, run.error = info["step"], info["weight_version"], info["error"]
         run.created, run.updated = info["created"], info["updated"]
@@ -138,4 +168,5 @@ class Run:
             "run_id": self.run_id, "name": self.spec.name, "state": STATE_NAMES[self.state], "step": self.step,
             "weight_version": self.version, "error": self.error, "ledger": self.ledger.to_dict(),
             "created": self.created, "updated": self.updated, "final_model_path": self.final_model_path,
-            "plot_path": self.plot_path, "last_metrics": self.last_metrics})
+            "plot_path": self.plot_path, "last_metrics": self.last_metrics,
+            "owner": self.owner})

@@ -23,7 +23,7 @@ from typing import Any
 class Recorder:
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._tensorboard = tensorboard
         self._tb = None  # opened at the first metrics, so merely loading a run writes nothing
         self._purge_step: int | None = None  # set by rewind: TensorBoard hides earlier events from here on

@@ -75,7 +75,7 @@ class Ledger(_message.Message):
     def __init__(self, generated: _Optional[int] = ..., scored: _Optional[int] = ..., trained: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "name", "state", "step", "max_steps", "weight_version", "run_dir", "error", "ledger", "last_metrics", "created_unix", "updated_unix", "final_model_path", "plot_path")
+    __slots__ = ("run_id", "name", "state", "step", "max_steps", "weight_version", "run_dir", "error", "ledger", "last_metrics", "created_unix", "updated_unix", "final_model_path", "plot_path", "owner")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class Run(_message.Message):
     UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     FINAL_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     PLOT_PATH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     name: str
     state: RunState
@@ -111,7 +112,8 @@ class Run(_message.Message):
     updated_unix: float
     final_model_path: str
     plot_path: str
-    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., max_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., run_dir: _Optional[str] = ..., error: _Optional[str] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., final_model_path: _Optional[str] = ..., plot_path: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., max_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., run_dir: _Optional[str] = ..., error: _Optional[str] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., final_model_path: _Optional[str] = ..., plot_path: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec_yaml", "run_id", "resume")

@@ -140,3 +140,15 @@ class LoadCheckpointResponse(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     def __init__(self, weight_version: _Optional[int] = ...) -> None: ...
+
+class ReleaseSessionRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseSessionResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

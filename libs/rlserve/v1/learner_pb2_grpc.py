@@ -63,6 +63,11 @@ class LearnerStub:
                 request_serializer=rlserve_dot_v1_dot_learner__pb2.LoadCheckpointRequest.SerializeToString,
                 response_deserializer=rlserve_dot_v1_dot_learner__pb2.LoadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/rlserve.v1.Learner/ReleaseSession',
+                request_serializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionRequest.SerializeToString,
+                response_deserializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServicer:
@@ -105,6 +110,13 @@ class LearnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSession(self, request, context):
+        """Ends the run's training session: its workers exit and their CPUs and GPUs are free again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +144,11 @@ def add_LearnerServicer_to_server(servicer, server):
                     servicer.LoadCheckpoint,
                     request_deserializer=rlserve_dot_v1_dot_learner__pb2.LoadCheckpointRequest.FromString,
                     response_serializer=rlserve_dot_v1_dot_learner__pb2.LoadCheckpointResponse.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionRequest.FromString,
+                    response_serializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +290,33 @@ class Learner:
             '/rlserve.v1.Learner/LoadCheckpoint',
             rlserve_dot_v1_dot_learner__pb2.LoadCheckpointRequest.SerializeToString,
             rlserve_dot_v1_dot_learner__pb2.LoadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Learner/ReleaseSession',
+            rlserve_dot_v1_dot_learner__pb2.ReleaseSessionRequest.SerializeToString,
+            rlserve_dot_v1_dot_learner__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

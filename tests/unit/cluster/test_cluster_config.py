@@ -26,7 +26,9 @@ def test_default_cluster_is_loopback_authenticated_and_complete(tmp_path, monkey
     gateway = apps["gateway"]
     assert gateway["host"] == "127.0.0.1" and gateway["port"] == 9000
     assert gateway["auth"] == {"token_file": str(runs / ".cluster" / "token"),
-                               "admin_token_file": str(runs / ".cluster" / "admin_token")}
+                               "admin_token_file": str(runs / ".cluster" / "admin_token"),
+                               "users_file": str(runs / ".cluster" / "users")}
+    assert apps["coordinator"]["cluster_file"] == str(default_cluster_file().resolve())
     assert gateway["expose_internal"] is False and gateway["tls"] is None
     assert apps["coordinator"]["paths"]["runs_dir"] == str(runs)
     assert apps["coordinator"]["allowed_plugins"] == [] == apps["reward"]["allowed_plugins"]
@@ -43,6 +45,26 @@ def test_auth_none_tls_and_relative_paths(tmp_path):
     assert gateway["auth"] is None
     assert gateway["tls"] == {"cert_file": str(tmp_path / "c.pem"), "key_file": str(tmp_path / "k.pem")}
     assert cfg.reward.allowed_plugins == [f"{tmp_path / 'plug.py'}:f", "pkg.mod:g"]
+
+
+def test_quotas_reach_the_coordinator_with_the_file_that_holds_them(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"quotas": {"default": {"max_queued_runs": 3}, "users": {"bob": {
+        "max_concurrent_runs": 1}}}}))
+    cfg, runs = load_cluster_file(path)
+    coordinator = next(a["args"] for a in serve_config(cfg, runs)["applications"] if a["name"] == "coordinator")
+    assert coordinator["quotas"] == {"default": {"max_concurrent_runs": 8, "max_queued_runs": 3,
+                                                 "max_samples_per_run": 100_000_000},
+                                     "users": {"bob": {"max_concurrent_runs": 1}}}
+    assert coordinator["cluster_file"] == str(path)  # the coordinator re-reads its quotas there
+    path.write_text(yaml.safe_dump({"quotas": {"users": {"Not A Name": {}}}}))
+    with pytest.raises(SpecError, match="quotas.users"):
+        load_cluster_file(path)
+    path.write_text(yaml.safe_dump({"quotas": {"users": {"bob": {"max_runs": 1}}}}))
+    with pytest.raises(SpecError) as err:
+        load_cluster_file(path)
+    assert err.value.problems[0].startswith("quotas.users.bob.max_runs: unknown key")
+    assert err.value.problems[0].endswith("(allowed here: max_concurrent_runs, max_queued_runs, max_samples_per_run)")
 
 
 def test_cluster_file_errors_name_the_key(tmp_path):

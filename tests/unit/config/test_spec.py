@@ -196,10 +196,29 @@ def test_every_size_is_bounded_and_every_float_finite(text, path):
 @pytest.mark.parametrize("text, problem", [
     ("name: " + "n" * (300 * 1024), "the limit is"),
     ("a: &x [1, 2]\nb: *x", "aliases"),
-    ("[" * 50_000, "nested too deeply"),
+    ("[" * 50_000, "nested deeper than"),
     ("data: {task_args: " + "{a: " * 40 + "1" + "}" * 40 + "}", "nested deeper than"),
 ])
 def test_spec_documents_are_bounded_before_parsing(text, problem):
+    with pytest.raises(SpecError) as err:
+        load_spec(text)
+    assert problem in str(err.value)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("grpo: {max_num_steps: 3}\ngrpo: {max_num_steps: 4}", "grpo: given twice in one mapping (line 2)"),
+    ("grpo: {max_num_steps: 3, max_num_steps: 4}", "max_num_steps: given twice"),
+    ("grpo: {max_num_steps: true}", "grpo.max_num_steps: a number, not true"),
+    ("policy: {max_grad_norm: false}", "policy.max_grad_norm: a number, not false"),
+    ("grpo: {max_num_steps: " + "9" * 5000 + "}", "a value cannot be read"),
+    ("", "an empty spec"),
+    ("# nothing but a comment\n", "an empty spec"),
+    ("data: {train_path: /data/train.jsonl}", "data.train_path: the 'addition' task generates its examples"),
+    ("a: [" + ",".join(["1"] * 120_000) + "]", "more than 20000 values"),
+])
+def test_specs_that_would_be_misread_or_cost_too_much_are_refused(text, problem):
+    """Each was accepted before (the last key silently won, true became 1, an empty spec queued a full
+    default run, a file path was ignored) or failed with INTERNAL or after seconds of parsing."""
     with pytest.raises(SpecError) as err:
         load_spec(text)
     assert problem in str(err.value)

@@ -1,6 +1,7 @@
 """The gateway's gRPC server on a real port, without Ray: tokens and roles are checked before any
-forwarding code runs, internal RPCs are absent unless exposed, bad bytes and unknown methods get
-their own statuses, failures read as one clean line, tokens rotate without a restart, TLS works.
+forwarding code runs, every forwarded call carries its caller's principal, internal RPCs are absent
+unless exposed, bad bytes and unknown methods get their own statuses, failures read as one clean
+line, tokens rotate and users are revoked without a restart, limits are per user, TLS works.
 
 The forwarder here answers in-process (the Serve handles are exercised by the integration tests
 on the real cluster); it counts its calls, so a test can show that a refused call reached nothing.
@@ -19,9 +20,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.gateway import server
+from rlserve.gateway.limits import CallerLimits
 from rlserve.rpc import not_found
 from rlserve.security.certs import self_signed
-from rlserve.security.tokens import Role, TokenStore, new_token
+from rlserve.security.identity import TokenStore
+from rlserve.security.principal import Principal, Role
+from rlserve.security.tokens import new_token
+from rlserve.security.users import add_user, revoke_user
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.support.dist import free_port
@@ -35,30 +40,36 @@ def _write(path: Path, *tokens: str) -> None:
 class Gateway:
     """A gateway server on its own event loop thread, with a counting in-process forwarder."""
 
-    def __init__(self, tmp_path: Path, expose_internal: bool = False, tls: bool = False, auth: bool = True):
+    def __init__(self, tmp_path: Path, expose_internal: bool = False, tls: bool = False, auth: bool = True,
+                 limits: CallerLimits = CallerLimits()):
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.user, self.admin = new_token(), new_token()
         self.user_file, self.admin_file = tmp_path / "token", tmp_path / "admin_token"
+        self.users_file = tmp_path / "users"  # none yet: tests add users with `add_user`
         _write(self.user_file, self.user)
         _write(self.admin_file, self.admin)
-        tokens = TokenStore({Role.USER: self.user_file, Role.ADMIN: self.admin_file}) if auth else None
+        tokens = (TokenStore({Role.USER: self.user_file, Role.ADMIN: self.admin_file}, self.users_file) if auth
+                  else None)
         self.cert = self.key = None
         if tls:
             self.cert, self.key = self_signed(tmp_path / "tls")
         self.port = free_port()
         self.calls: list[str] = []
+        self.callers: list[Principal | None] = []  # the principal each forwarded call carried
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         cfg = server.GatewayConfig(host="127.0.0.1", port=self.port, tokens=tokens, expose_internal=expose_internal,
+                                   limits=limits,
                                    apps={}, cert_file=self.cert, key_file=self.key)
         self.server = self._run(server.start(cfg, self._forward, self._forward_stream))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
-    async def _forward(self, method, request):
+    async def _forward(self, method, request, caller):
         self.calls.append(method.name)
+        self.callers.append(caller)
         if method.name == "GetRun":
             if request.run_id == "missing":
                 raise not_found("run 'missing'")
@@ -69,8 +80,11 @@ class Gateway:
             return rollout_pb2.GetInfoResponse(engine="in-process")
         return method.response()
 
-    async def _forward_stream(self, method, request):
+    async def _forward_stream(self, method, request, caller):
         self.calls.append(method.name)
+        self.callers.append(caller)
+        if request.from_sequence == 10**12:  # an idle watcher: the stream stays open, sending nothing
+            await asyncio.sleep(3600)
         for i in range(3):
             yield pb.WatchRunResponse(event=pb.RunEvent(sequence=i, run_id=request.run_id))
 
@@ -186,3 +200,124 @@ def test_auth_none_lets_every_call_through(gateway):
     g = gateway(auth=False)
     ch, _ = g.channel()
     assert coordinator_pb2_grpc.CoordinatorStub(ch).GetRun(pb.GetRunRequest(run_id="o")).run.run_id == "o"
+
+
+def test_one_caller_cannot_hold_every_stream_or_call(gateway):
+    """Idle WatchRun streams once held every slot of the coordinator (80 of them made everyone's GetRun
+    time out): a caller's streams beyond its limit are refused at once, and another caller, and the
+    same caller's unary calls, go through."""
+    g = gateway(limits=CallerLimits(max_streams=3))
+    ch, md = g.channel(g.user)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    idle = [stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12), metadata=md) for _ in range(3)]
+    deadline = time.time() + 10
+    while g.calls.count("WatchRun") < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    err = _code(lambda: list(stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12), metadata=md,
+                                            timeout=5)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in err.details()
+    assert stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=md, timeout=5).run.run_id == "r"
+    other = coordinator_pb2_grpc.CoordinatorStub(g.channel(g.admin)[0])
+    events = list(other.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=g.channel(g.admin)[1], timeout=5))
+    assert len(events) == 3
+    for call in idle:
+        call.cancel()
+
+
+def test_oversized_requests_and_floods_get_resource_exhausted_before_forwarding(gateway):
+    g = gateway(limits=CallerLimits(max_request_kb=256, rate=5, burst=5))
+    ch, md = g.channel(g.user)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    err = _code(lambda: stub.SubmitRun(pb.SubmitRunRequest(spec_yaml="a" * (300 * 1024)), metadata=md))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
+    assert "SubmitRun" not in g.calls
+    codes = []
+    for _ in range(10):
+        try:
+            stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=md)
+            codes.append("ok")
+        except grpc.RpcError as e:
+            codes.append(e.code())
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 4 and codes[:4] == ["ok"] * 4
+    other = coordinator_pb2_grpc.CoordinatorStub(g.channel(g.admin)[0])
+    assert other.GetRun(pb.GetRunRequest(run_id="r"), metadata=g.channel(g.admin)[1]).run.run_id == "r"
+
+
+def _md(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def test_every_forwarded_call_carries_its_callers_principal(gateway):
+    """The principal, never the token, travels with the call: the legacy files are `user` and `admin`, a
+    users-file token is its user, and without authentication there is none (the coordinator then acts as
+    the cluster itself)."""
+    g = gateway()
+    alice = add_user(g.users_file, "alice", admin=False)
+    root = add_user(g.users_file, "root", admin=True)
+    time.sleep(1.2)  # the store re-reads changed files at most once a second
+    ch, _ = g.channel()
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    for token in (g.user, g.admin, alice, root):
+        stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(token))
+    list(stub.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=_md(alice)))
+    assert g.callers == [Principal("user", Role.USER), Principal("admin", Role.ADMIN),
+                         Principal("alice", Role.USER), Principal("root", Role.ADMIN), Principal("alice", Role.USER)]
+    open_gateway = gateway(auth=False)
+    coordinator_pb2_grpc.CoordinatorStub(open_gateway.channel()[0]).ListRuns(pb.ListRunsRequest())
+    assert open_gateway.callers == [None]
+
+
+def test_users_file_admins_reach_internal_rpcs_and_users_do_not(gateway):
+    g = gateway(expose_internal=True)
+    alice, root = add_user(g.users_file, "alice", admin=False), add_user(g.users_file, "root", admin=True)
+    time.sleep(1.2)
+    stub = rollout_pb2_grpc.RolloutStub(g.channel()[0])
+    err = _code(lambda: stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=_md(alice)))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert stub.GetInfo(rollout_pb2.GetInfoRequest(), metadata=_md(root)).engine == "in-process"
+    assert g.calls == ["GetInfo"]
+
+
+def test_a_revoked_user_is_refused_within_two_seconds_and_others_are_not(gateway):
+    g = gateway()
+    alice, bob = add_user(g.users_file, "alice", admin=False), add_user(g.users_file, "bob", admin=False)
+    time.sleep(1.2)
+    stub = coordinator_pb2_grpc.CoordinatorStub(g.channel()[0])
+    stub.ListRuns(pb.ListRunsRequest(), metadata=_md(alice))
+    revoke_user(g.users_file, "alice")
+    revoked = time.monotonic()
+    while True:
+        try:
+            stub.ListRuns(pb.ListRunsRequest(), metadata=_md(alice))
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+            break
+        assert time.monotonic() - revoked < 2.0, "a revoked user must be refused within 2 s"
+        time.sleep(0.05)
+    for token in (bob, g.user, g.admin):
+        stub.ListRuns(pb.ListRunsRequest(), metadata=_md(token))
+    (g.users_file).write_text("this is not a users file\n")  # a broken users file holds no one (fail closed)
+    time.sleep(1.2)
+    err = _code(lambda: stub.ListRuns(pb.ListRunsRequest(), metadata=_md(bob)))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    stub.ListRuns(pb.ListRunsRequest(), metadata=_md(g.user))  # the token files are not affected
+
+
+def test_limits_are_per_user_whatever_token_they_use(gateway):
+    """All of a user's tokens share one set of limits (keyed on the principal's name, not the token), and
+    another user has their own."""
+    g = gateway(limits=CallerLimits(max_streams=1))
+    second = new_token()
+    _write(g.user_file, g.user, second)  # two tokens of the principal `user`
+    alice = add_user(g.users_file, "alice", admin=False)
+    time.sleep(1.2)
+    stub = coordinator_pb2_grpc.CoordinatorStub(g.channel()[0])
+    idle = stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12), metadata=_md(g.user))
+    deadline = time.time() + 10
+    while g.calls.count("WatchRun") < 1 and time.time() < deadline:
+        time.sleep(0.01)
+    err = _code(lambda: list(stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12),
+                                            metadata=_md(second), timeout=5)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in err.details()
+    assert len(list(stub.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=_md(alice), timeout=5))) == 3
+    idle.cancel()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from rlserve.grpo.recovery import RecoveryBudget, run_grpo
 from rlserve.grpo.state import LoopSettings
 from rlserve.grpo.trainer import engine_idle
@@ -37,6 +39,7 @@ def test_a_synchronous_run_trains_every_step_with_a_balanced_ledger(make_run):
     assert all(r["batch/staleness_max"] == 0 for r in rows[1:])
     assert kinds(run).count("step") == steps and kinds(run).count("checkpoint") == 1  # step 2 (not the last)
     assert (run.run_dir / "final_model" / "config.json").is_file()
+    assert services.calls.released == ["r"] and services.session is None  # the workers' CPUs are free again
     # What the events announced adds up to the ledger (a restarted coordinator rebuilds it from them).
     assert Ledger(run.ledger.generated, run.ledger.scored).as_announced(run.events).to_dict() == run.ledger.to_dict()
 
@@ -97,3 +100,19 @@ def test_engine_idle_fraction_counts_replicas_seen_at_both_marks():
     assert engine_idle({"a": (10.0, 2.0, 1.0)}, {}) == {}  # nothing to compare with yet
     assert engine_idle({"a": (20.0, 3.0, 1.5), "b": (5.0, 5.0, 0.0)}, {"a": (10.0, 2.0, 1.0)}) == {
         "engine/idle_fraction": 0.1, "engine/paused_fraction": 0.05}  # b is new
+
+
+@pytest.mark.parametrize("cluster, field", [
+    ({"num_workers": 1024, "cpus_per_worker": 1}, "cluster.num_workers x cluster.cpus_per_worker"),
+    ({"num_workers": 2, "gpus_per_worker": 1}, "cluster.num_workers x cluster.gpus_per_worker"),
+    ({"torch_threads": 64}, "cluster.torch_threads"),
+])
+def test_learner_workers_that_cannot_fit_the_cluster_are_refused(cluster, field):
+    from rlserve.config import RunSpec
+    from rlserve.grpo.admission import GrpoAdmission
+    from rlserve.grpo.services import Capacity
+    from rlserve.rpc import RpcError
+
+    with pytest.raises(RpcError) as err:
+        GrpoAdmission._check_resources(RunSpec.model_validate({"cluster": cluster}), Capacity(8.0, 0.0, 4.0))
+    assert err.value.code.name == "FAILED_PRECONDITION" and err.value.message.startswith(field)

@@ -13,18 +13,22 @@ import yaml
 from rlserve.rpc import RpcError, invalid_argument
 from rlserve.runs.manager import Admission, RunManager
 from rlserve.runs.record import TERMINAL
+from rlserve.security.principal import SYSTEM
 from rlserve.v1 import coordinator_pb2 as pb
 
 SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2}, "logger": {"tensorboard_enabled": False}})
 
 
 class RefuseByName(Admission):
-    """Passes every spec except those named `refused` (their preflight fails)."""
+    """Passes every spec except those named `refused` (their preflight fails), once `go` is set."""
 
     def __init__(self, refused: str | None):
         self.refused = refused
+        self.go = asyncio.Event()
+        self.go.set()
 
     async def preflight(self, spec):
+        await self.go.wait()
         if self.refused and spec.name == self.refused:
             raise invalid_argument("policy.model_name", "not this one")
 
@@ -39,19 +43,21 @@ def manager(tmp_path, preflight_error: str | None = None, trained: list | None =
 
 async def until_done(m: RunManager, run_id: str) -> pb.Run:
     for _ in range(200):
-        if m.get(run_id).state in TERMINAL:
-            return m.get(run_id).to_proto()
+        if m.get(run_id, SYSTEM).state in TERMINAL:
+            return m.get(run_id, SYSTEM).to_proto()
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{run_id} did not end: {m.get(run_id).to_proto()}")
+    raise AssertionError(f"{run_id} did not end: {m.get(run_id, SYSTEM).to_proto()}")
 
 
 def test_runs_start_after_their_preflight_and_a_failed_one_does_not_block_the_queue(tmp_path):
     async def main():
         trained = []
         m = manager(tmp_path, preflight_error="bad", trained=trained)
-        bad = await m.submit(SPEC.replace("name: unit", "name: bad"), "first", False)
-        good = await m.submit(SPEC, "second", False)
+        m.admission.go.clear()  # both preflights wait until both runs are queued
+        bad = await m.submit(SPEC.replace("name: unit", "name: bad"), "first", False, SYSTEM)
+        good = await m.submit(SPEC, "second", False, SYSTEM)
         assert bad.state == good.state == pb.RUN_STATE_QUEUED
+        m.admission.go.set()
         failed, done = await until_done(m, "first"), await until_done(m, "second")
         assert failed.state == pb.RUN_STATE_FAILED and failed.error.startswith("preflight: INVALID_ARGUMENT: "
                                                                                  "policy.model_name")
@@ -65,7 +71,7 @@ def test_run_ids_are_folder_names_for_new_and_resumed_runs(tmp_path, run_id):
         m = manager(tmp_path / "runs")
         for resume in (False, True):
             with pytest.raises(RpcError) as err:
-                await m.submit(SPEC, run_id, resume)
+                await m.submit(SPEC, run_id, resume, SYSTEM)
             assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.message.startswith("run_id:")
     asyncio.run(main())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
@@ -74,17 +80,17 @@ def test_run_ids_are_folder_names_for_new_and_resumed_runs(tmp_path, run_id):
 def test_finished_runs_resume_only_to_extend_them(tmp_path):
     async def main():
         m = manager(tmp_path)
-        await m.submit(SPEC, "r", False)
+        await m.submit(SPEC, "r", False, SYSTEM)
         assert (await until_done(m, "r")).step == 2
         for spec_yaml in ("", SPEC):
             with pytest.raises(RpcError) as err:
-                await m.submit(spec_yaml, "r", True)
+                await m.submit(spec_yaml, "r", True, SYSTEM)
             assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(RpcError) as err:
             await m.submit(SPEC.replace("name: unit", "name: other").replace("max_num_steps: 2", "max_num_steps: 3"),
-                           "r", True)
+                           "r", True, SYSTEM)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "only grpo.max_num_steps" in err.value.message
-        await m.submit(SPEC.replace("max_num_steps: 2", "max_num_steps: 3"), "r", True)
+        await m.submit(SPEC.replace("max_num_steps: 2", "max_num_steps: 3"), "r", True, SYSTEM)
         final = await until_done(m, "r")
         assert final.state == pb.RUN_STATE_SUCCEEDED and final.step == final.max_steps == 3
     asyncio.run(main())
@@ -93,7 +99,7 @@ def test_finished_runs_resume_only_to_extend_them(tmp_path):
 def test_records_that_do_not_fit_the_api_are_skipped_not_fatal(tmp_path):
     async def main():
         m = manager(tmp_path)
-        await m.submit(SPEC, "fine", False)
+        await m.submit(SPEC, "fine", False, SYSTEM)
         await until_done(m, "fine")
     asyncio.run(main())
     huge = tmp_path / "huge"
@@ -104,4 +110,79 @@ def test_records_that_do_not_fit_the_api_are_skipped_not_fatal(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "run.json").write_text("{not json")
     again = manager(tmp_path)
-    assert [r.run_id for r in again.list_protos()] == ["fine"]
+    assert [r.run_id for r in again.list_protos(SYSTEM)] == ["fine"]
+
+
+def test_a_run_cancelled_before_its_task_starts_ends_cancelled(tmp_path):
+    """CancelRun right after the run started (its task created, not yet run) once left it CANCELLING for
+    good and held the queue behind it."""
+    async def main():
+        m = manager(tmp_path)
+        first = await m.submit(SPEC, "first", False, SYSTEM)
+        second = await m.submit(SPEC, "second", False, SYSTEM)
+        while first.state != pb.RUN_STATE_RUNNING:
+            await asyncio.sleep(0)
+        m.cancel("first", SYSTEM)  # the same tick the task was created in: it has not taken a step
+        assert (await until_done(m, "first")).state == pb.RUN_STATE_CANCELLED
+        assert (await until_done(m, "second")).state == pb.RUN_STATE_SUCCEEDED
+        assert first.ledger.balanced() and second.ledger.balanced()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_submits_cancels_and_resumes_all_end_with_balanced_ledgers(tmp_path, seed):
+    """Runs whose bodies take random times, with cancels and resumes fired at random moments: every run
+    reaches a final state within a bound, and every ledger balances."""
+    import random
+
+    rng = random.Random(seed)
+
+    async def body(run):
+        run.ledger.generate(8)
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        run.ledger.train(8)
+        run.step = run.spec.grpo.max_num_steps
+
+    async def main():
+        m = RunManager(tmp_path, body, RefuseByName(None), preflight_timeout_s=5)
+        ids = [f"r{i}" for i in range(20)]
+        for run_id in ids:
+            await m.submit(SPEC, run_id, False, SYSTEM)
+            for _ in range(rng.randint(0, 3)):
+                target = rng.choice(ids[:ids.index(run_id) + 1])
+                action = rng.choice(["cancel", "resume", "wait"])
+                if action == "cancel":
+                    m.cancel(target, SYSTEM)
+                elif action == "resume" and m.get(target, SYSTEM).state in TERMINAL:
+                    try:
+                        await m.submit(SPEC.replace("max_num_steps: 2", "max_num_steps: 3"), target, True, SYSTEM)
+                    except RpcError:
+                        pass  # a finished run may be resumed only to extend it once
+                await asyncio.sleep(rng.uniform(0, 0.005))
+        for run_id in ids:
+            run = await until_done(m, run_id)
+            assert run.state in TERMINAL and run.ledger.in_flight == 0, run
+    asyncio.run(main())
+
+
+def test_the_queue_is_bounded(tmp_path):
+    class Slow(Admission):
+        def __init__(self):
+            self.go = asyncio.Event()
+
+        async def preflight(self, spec):
+            await self.go.wait()
+
+    async def main():
+        admission = Slow()
+        m = RunManager(tmp_path, lambda run: asyncio.sleep(0), admission, preflight_timeout_s=30, max_queued_runs=2)
+        await m.submit(SPEC, "a", False, SYSTEM)
+        await m.submit(SPEC, "b", False, SYSTEM)
+        with pytest.raises(RpcError) as err:
+            await m.submit(SPEC, "c", False, SYSTEM)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_runs" in err.value.message
+        admission.go.set()
+        assert (await until_done(m, "b")).state == pb.RUN_STATE_SUCCEEDED
+        await m.submit(SPEC, "c", False, SYSTEM)  # room again
+        assert (await until_done(m, "c")).state == pb.RUN_STATE_SUCCEEDED
+    asyncio.run(main())

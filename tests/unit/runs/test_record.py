@@ -13,8 +13,9 @@ from rlserve.config import spec_to_yaml
 from rlserve.config.spec import RunSpec
 from rlserve.runs.ledger import Ledger
 from rlserve.runs.manager import Admission, RunManager
-from rlserve.runs.record import Run
+from rlserve.runs.record import TERMINAL, Run
 from rlserve.runs.recorder import Recorder
+from rlserve.security.principal import SYSTEM
 from rlserve.v1 import coordinator_pb2 as pb
 
 
@@ -91,7 +92,7 @@ def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_pat
 
     async def scenario() -> RunManager:
         manager = _manager(tmp_path, body, resume_on_restart=True)
-        run = manager.get("r1")
+        run = manager.get("r1", SYSTEM)
         # What the earlier coordinator announced is there, unchanged, and new events continue the sequence.
         assert [(ev.sequence, ev.kind, ev.message) for ev in run.events[:len(earlier.events)]] == [
             (ev.sequence, ev.kind, ev.message) for ev in earlier.events]
@@ -100,7 +101,7 @@ def test_a_restarted_coordinator_reloads_events_and_resumes_running_runs(tmp_pat
         return manager
 
     manager = asyncio.run(scenario())
-    run = manager.get("r1")
+    run = manager.get("r1", SYSTEM)
     assert resumed == [("r1", "the coordinator restarted while the run was running")]
     assert run.state == pb.RUN_STATE_SUCCEEDED
     assert [ev.sequence for ev in run.events] == list(range(len(run.events)))
@@ -131,7 +132,7 @@ def test_runs_left_running_fail_with_the_resume_command_when_resuming_is_off(tmp
                                                                              auto_resume):
     _left_running(tmp_path, "r2", checkpointing={"auto_resume": auto_resume})
     manager = _manager(tmp_path, resume_on_restart=resume_on_restart)
-    run = manager.get("r2")
+    run = manager.get("r2", SYSTEM)
     assert run.state == pb.RUN_STATE_FAILED
     assert run.error.startswith("the coordinator stopped while the run was running (")
     assert "rlserve submit --resume r2" in run.error
@@ -140,7 +141,7 @@ def test_runs_left_running_fail_with_the_resume_command_when_resuming_is_off(tmp
 
 def test_a_run_left_cancelling_ends_cancelled_with_its_trajectories_counted(tmp_path):
     _left_running(tmp_path, "r3", state="cancelling")
-    run = _manager(tmp_path).get("r3")
+    run = _manager(tmp_path).get("r3", SYSTEM)
     assert run.state == pb.RUN_STATE_CANCELLED
     assert run.ledger.dropped == Counter({"cancelled": 32}) and run.ledger.balanced()
     assert run.events[-2].kind == pb.EVENT_KIND_DROPPED and run.events[-2].metrics["dropped/cancelled"] == 32
@@ -156,11 +157,11 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
 
     async def scenario() -> None:
         manager = _manager(tmp_path, body)
-        a = await manager.submit(spec_to_yaml(RunSpec()), "a", resume=False)
-        b = await manager.submit(spec_to_yaml(RunSpec()), "b", resume=False)
+        a = await manager.submit(spec_to_yaml(RunSpec()), "a", resume=False, caller=SYSTEM)
+        b = await manager.submit(spec_to_yaml(RunSpec()), "b", resume=False, caller=SYSTEM)
         await asyncio.sleep(0.01)
         assert (a.state, b.state, started) == (pb.RUN_STATE_RUNNING, pb.RUN_STATE_QUEUED, ["a"])
-        assert manager.cancel("a").state == pb.RUN_STATE_CANCELLING
+        assert manager.cancel("a", SYSTEM).state == pb.RUN_STATE_CANCELLING
         await asyncio.gather(manager.task("a"), return_exceptions=True)
         assert a.state == pb.RUN_STATE_CANCELLED and a.error == "by CancelRun at step 0"
         assert a.ledger.dropped == Counter({"cancelled": 16}) and a.ledger.balanced()
@@ -171,3 +172,30 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
         assert json.loads((tmp_path / "b" / "run.json").read_text())["state"] == "running"
 
     asyncio.run(scenario())
+
+
+def test_a_watch_ends_after_its_lifetime_and_continues_from_the_next_event(tmp_path):
+    """An idle WatchRun stream (from a sequence far ahead, or a run that makes no progress) once held a
+    coordinator slot for as long as the client kept it open; now it ends after `max_s`."""
+    async def main():
+        run = Run("w", RunSpec(), tmp_path / "w")
+        run.emit(pb.EVENT_KIND_INFO, "one")
+        seen = [ev.message async for ev in run.watch(0, max_s=0.05)]
+        assert seen == ["one"] and run.state not in TERMINAL
+        assert [ev async for ev in run.watch(10**12, max_s=0.05)] == []
+        run.emit(pb.EVENT_KIND_INFO, "two")
+        run.set_state(pb.RUN_STATE_CANCELLED, "test")
+        later = [ev.message async for ev in run.watch(1, max_s=60)]
+        assert later[0] == "two" and later[-1].startswith("cancelled")
+    asyncio.run(main())
+
+
+def test_finished_runs_forget_their_events_and_read_them_back(tmp_path):
+    run = _left_running(tmp_path, "old")
+    run.end(pb.RUN_STATE_SUCCEEDED)
+    before = [(ev.sequence, ev.message) for ev in run.events]
+    run.forget_events()
+    assert run._events is None
+    assert [(ev.sequence, ev.message) for ev in run.events] == before  # read back from events.jsonl
+    run.emit(pb.EVENT_KIND_INFO, "after")  # sequence numbers continue
+    assert run.events[-1].sequence == len(before)

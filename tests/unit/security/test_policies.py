@@ -10,9 +10,11 @@ import pytest
 
 from rlserve.clients.credentials import TOKEN_ENV, TOKEN_FILE_ENV, find_credentials, write_record
 from rlserve.rpc import RpcError
+from rlserve.security.identity import TokenStore
 from rlserve.security.paths import PathPolicy
 from rlserve.security.plugins import PluginPolicy
-from rlserve.security.tokens import MIN_TOKEN_CHARS, Role, TokenStore, bearer_token, ensure_token_file, read_tokens
+from rlserve.security.principal import Principal, Role
+from rlserve.security.tokens import MIN_TOKEN_CHARS, bearer_token, ensure_token_file, read_tokens
 
 
 def test_token_files_are_private_and_checked(tmp_path):
@@ -37,9 +39,9 @@ def test_roles_and_bearer_parsing(tmp_path):
         path.write_text("\n".join(tokens) + "\n")
         os.chmod(path, 0o600)
     store = TokenStore({Role.USER: user, Role.ADMIN: admin})
-    assert store.role_of("u" * 40) == store.role_of("v" * 40) == Role.USER
-    assert store.role_of("a" * 40) == Role.ADMIN
-    assert store.role_of("a" * 39) is None and store.role_of(None) is None
+    assert store.principal_of("u" * 40) == store.principal_of("v" * 40) == Principal("user", Role.USER)
+    assert store.principal_of("a" * 40) == Principal("admin", Role.ADMIN)
+    assert store.principal_of("a" * 39) is None and store.principal_of(None) is None
     assert bearer_token((("authorization", "Bearer  abc "),)) == "abc"
     assert bearer_token((("Authorization", "bearer abc"),)) == "abc"
     assert bearer_token((("authorization", "Basic abc"),)) is None and bearer_token(()) is None

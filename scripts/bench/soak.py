@@ -1,0 +1,275 @@
+"""Load and abuse against a training cluster: do well-behaved callers and the run itself hold up?
+
+One local cluster (the embedded default's services, its own ports) trains a run of the demo task.
+Its steps are timed in three phases of `--phase-s` seconds each, side by side in one invocation:
+  - quiet:  only the run;
+  - load:   `--callers` concurrent well-behaved callers on loopback (`--callers-per-user` to a user,
+            each user with a run of its own waiting in the queue), each looping over GetRun,
+            ListRuns, a short WatchRun (its first events), and every 20th caller a SubmitRun of a
+            tiny run that it cancels at once;
+  - abuse:  the same callers, plus one abusive caller (its own token) doing what once stalled
+            everyone: 80 idle WatchRun streams from sequence 10**12, 240 KB specs of 120,000 list
+            items, and 60 MB specs, 4 at a time.
+Reported per phase: p50, p99 and max latency of the well-behaved calls, their errors, the abuser's
+refusals, and the run's median step time against the quiet phase. With `--chaos-s`, a chaos soak
+follows: every 60-120 s one of rollout, reward, reference, the learner worker, the coordinator
+or the gateway is killed at random; then the run goes on to its last step, and it must end with a
+balanced ledger, no run may be left unfinished, and the cluster's resident memory is reported
+before and after.
+Prints a table and writes bench-results/soak.json.
+
+    .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.common import record, table  # noqa: E402
+
+PORT_BASE = 6980
+TINY = "name: soak-tiny\ngrpo: {max_num_steps: 1, num_prompts_per_step: 2, num_generations_per_prompt: 2}\n"
+KILLABLE = ("rollout", "reward", "reference", "LearnerWorker", "coordinator", "gateway")
+
+
+def soak_cluster(root: Path):
+    import yaml
+
+    from rlserve.cluster.config import load_cluster_file
+    from rlserve.cluster.lifecycle import Cluster
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "libs/rlserve/cluster/default_cluster.yaml")
+                          .read_text())
+    data.update({"name": "soak", "ray_port": PORT_BASE, "grpc_port": PORT_BASE + 10, "runs_dir": str(root / "runs")})
+    path = root / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg, runs = load_cluster_file(path)
+    return Cluster(cfg, runs)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+class Callers:
+    """Well-behaved callers, `per_user` to a user: every call's latency and error, per phase. Each user
+    watches its own queued run (a user sees only its own runs) beside the training run's owner."""
+
+    def __init__(self, endpoint: str, users: list[tuple[str, str]], n: int):
+        self.endpoint, self.users, self.n = endpoint, users, n  # users: (token, run id)
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+
+    async def caller(self, i: int, stop: float) -> None:
+        import grpc
+
+        from rlserve.v1 import coordinator_pb2 as pb
+        from rlserve.v1 import coordinator_pb2_grpc
+
+        token, run_id = self.users[i % len(self.users)]
+        md = (("authorization", f"Bearer {token}"),)
+        async with grpc.aio.insecure_channel(self.endpoint) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                try:
+                    kind = random.random()
+                    if kind < 0.45:
+                        await stub.GetRun(pb.GetRunRequest(run_id=run_id), metadata=md, timeout=30)
+                    elif kind < 0.8:
+                        await stub.ListRuns(pb.ListRunsRequest(), metadata=md, timeout=30)
+                    elif kind < 0.98 or i % 20:
+                        stream = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), metadata=md, timeout=30)
+                        await stream.read()
+                        stream.cancel()
+                    else:
+                        run = (await stub.SubmitRun(pb.SubmitRunRequest(spec_yaml=TINY), metadata=md, timeout=30)).run
+                        await stub.CancelRun(pb.CancelRunRequest(run_id=run.run_id), metadata=md, timeout=30)
+                    self.latencies.append(time.perf_counter() - t0)
+                except grpc.aio.AioRpcError as err:
+                    self.errors.append(err.code().name)
+                await asyncio.sleep(random.uniform(0.2, 1.0))
+
+    async def run(self, seconds: float) -> None:
+        stop = time.monotonic() + seconds
+        await asyncio.gather(*(self.caller(i, stop) for i in range(self.n)))
+
+
+async def abuse(endpoint: str, token: str, run_id: str, seconds: float) -> dict[str, int]:
+    """What once stalled every caller, from one token; counts how each attempt was answered."""
+    import grpc
+
+    from rlserve.v1 import coordinator_pb2 as pb
+    from rlserve.v1 import coordinator_pb2_grpc
+
+    md = (("authorization", f"Bearer {token}"),)
+    answers: dict[str, int] = {}
+    stop = time.monotonic() + seconds
+    slow = "a: [" + ",".join(["1"] * 120_000) + "]"
+    huge = "a: " + "x" * (60 * 2**20)
+    async with grpc.aio.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 2**27)]) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        streams = [stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=10**12), metadata=md)
+                   for _ in range(80)]
+
+        async def spec(text: str) -> None:
+            try:
+                await stub.SubmitRun(pb.SubmitRunRequest(spec_yaml=text), metadata=md, timeout=60)
+                answers["accepted"] = answers.get("accepted", 0) + 1
+            except grpc.aio.AioRpcError as err:
+                answers[err.code().name] = answers.get(err.code().name, 0) + 1
+
+        while time.monotonic() < stop:
+            await asyncio.gather(*(spec(slow) for _ in range(4)), *(spec(huge) for _ in range(4)))
+        for s in streams:
+            key = f"watch:{(await s.code()).name}" if s.done() else "watch:open"
+            answers[key] = answers.get(key, 0) + 1
+            s.cancel()
+    return answers
+
+
+def step_times(runs_dir: Path, run_id: str, since: float, until: float) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (runs_dir / run_id / "events.jsonl").read_text().splitlines()]
+    return [r["metrics"]["timing/step_s"] for r in rows
+            if r["kind"] == "step" and since <= r["time"] <= until and "timing/step_s" in r["metrics"]]
+
+
+def cluster_rss() -> int:
+    import psutil
+
+    return sum(p.memory_info().rss for p in psutil.process_iter() if "ray" in " ".join(p.cmdline() or [])[:200]
+               or "VLLM" in (p.name() or ""))
+
+
+def chaos(seconds: float, rng: random.Random) -> list[str]:
+    """Kill one of the services' processes every 60-120 s; returns what was killed."""
+    import psutil
+
+    killed = []
+    stop = time.monotonic() + seconds
+    while time.monotonic() < stop:
+        time.sleep(min(rng.uniform(60, 120), max(0.0, stop - time.monotonic())))
+        target = rng.choice(KILLABLE)
+        procs = [p for p in psutil.process_iter(["cmdline"]) if any(
+            f"ServeReplica:{target}" in c or (target == "LearnerWorker" and "LearnerWorker" in c)
+            for c in p.info["cmdline"] or [])]
+        if procs:
+            procs[0].kill()
+            killed.append(target)
+    return killed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--callers", type=int, default=500)
+    parser.add_argument("--phase-s", type=float, default=120)
+    parser.add_argument("--callers-per-user", type=int, default=20)
+    parser.add_argument("--chaos-s", type=float, default=0)
+    parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the training run")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    random.seed(args.seed)
+
+    from rlserve.cluster.lifecycle import down, up
+    from rlserve.security.users import add_user
+    from rlserve.v1 import coordinator_pb2 as pb
+
+    root = Path(tempfile.mkdtemp(prefix="rlserve-soak-"))
+    cluster = soak_cluster(root)
+    up(cluster)
+    try:
+        user_file = cluster.token_files[0]
+        from rlserve.clients.coordinator import CoordinatorClient
+        from rlserve.clients.credentials import Credentials
+
+        spec = (Path(__file__).resolve().parents[2] / "examples/grpo_addition.yaml").read_text().replace(
+            "max_num_steps: 60", f"max_num_steps: {args.steps}")
+        with CoordinatorClient(cluster.grpc_endpoint, token_file=user_file) as client:
+            run = client.submit(spec)
+        # Well-behaved users and the abuser, each with its own token and a run of its own that waits in
+        # the queue behind the training run (cancelled at the end).
+        tokens = [add_user(cluster.users_file, f"soak{u}", admin=False)
+                  for u in range(max(1, args.callers // args.callers_per_user) + 1)]
+        time.sleep(3)  # the gateway re-reads the users file within about a second
+        users = []
+        for user_token in tokens:
+            with CoordinatorClient(cluster.grpc_endpoint, credentials=Credentials(token=user_token)) as client:
+                users.append((user_token, client.submit(TINY).run_id))
+        abuser, abuser_run = users.pop()
+        with CoordinatorClient(cluster.grpc_endpoint, token_file=user_file) as client:
+            while client.get(run.run_id).step < 1:  # past SFT and the first GRPO step
+                time.sleep(2)
+        rows = []
+        rss_before = cluster_rss()
+        for phase in ("quiet", "load", "abuse"):
+            callers = Callers(cluster.grpc_endpoint, users, 0 if phase == "quiet" else args.callers)
+            t0 = time.time()
+
+            async def both() -> dict[str, int]:
+                jobs = [callers.run(args.phase_s)]
+                if phase == "abuse":
+                    jobs.append(abuse(cluster.grpc_endpoint, abuser, abuser_run, args.phase_s))
+                results = await asyncio.gather(*jobs)
+                return results[1] if phase == "abuse" else {}
+
+            answers = asyncio.run(both()) if phase != "quiet" else (time.sleep(args.phase_s) or {})
+            steps = step_times(cluster.runs_dir, run.run_id, t0, time.time())
+            lat = callers.latencies
+            rows.append({"phase": phase, "calls": len(lat), "errors": len(callers.errors),
+                         "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
+                         "max_ms": max(lat, default=float("nan")) * 1e3, "steps": len(steps),
+                         "step_s": statistics.median(steps) if steps else float("nan"),
+                         "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items()))})
+            print("phase", rows[-1], flush=True)
+        admin_file = cluster.token_files[1]
+        with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
+            for _, run_id in users + [(abuser, abuser_run)]:
+                client.cancel(run_id)
+        quiet = rows[0]["step_s"]
+        for row in rows:
+            row["step_vs_quiet"] = row["step_s"] / quiet
+        meta = {"callers": args.callers, "phase_s": args.phase_s}
+        if args.chaos_s:
+            killed = chaos(args.chaos_s, random.Random(args.seed))
+            with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
+                deadline = time.monotonic() + 3600  # the run goes on to its last step
+                while True:
+                    try:
+                        final = client.get(run.run_id)
+                    except Exception:  # noqa: BLE001 - the coordinator or gateway may still be restarting
+                        time.sleep(5)
+                        continue
+                    if final.state in (pb.RUN_STATE_CANCELLED, pb.RUN_STATE_FAILED, pb.RUN_STATE_SUCCEEDED) \
+                            or time.monotonic() > deadline:
+                        break
+                    time.sleep(5)
+                stuck = [r.run_id for r in client.list() if r.state not in (
+                    pb.RUN_STATE_CANCELLED, pb.RUN_STATE_FAILED, pb.RUN_STATE_SUCCEEDED)]
+            meta.update({"chaos_s": args.chaos_s, "killed": killed, "final_state": pb.RunState.Name(final.state),
+                         "ledger_in_flight": final.ledger.in_flight, "stuck_runs": stuck,
+                         "rss_before_mb": rss_before / 2**20, "rss_after_mb": cluster_rss() / 2**20})
+    finally:
+        down(cluster)
+    print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "steps", "step_s", "step_vs_quiet",
+                       "abuser"]))
+    if args.chaos_s:
+        print({k: v for k, v in meta.items() if k not in ("callers", "phase_s")})
+    print("wrote", record("soak", rows, meta))
+
+
+if __name__ == "__main__":
+    main()
