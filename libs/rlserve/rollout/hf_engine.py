@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
@@ -31,7 +32,7 @@ class TransformersEngine(BatchEngine):
         if cfg.in_flight_kv_cache != "recompute":
             raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = resolve_device(cfg.device)
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
