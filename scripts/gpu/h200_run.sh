@@ -10,6 +10,7 @@ cd "$(dirname "$0")/../.."
 bundle=$1 out=$2; shift 2
 export RLSERVE_PYTHON=${RLSERVE_PYTHON:-python3} PYTHONUNBUFFERED=1
 mkdir -p "$out"
+[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # an earlier --target install
 
 run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME.log and OUT/NAME.tgz
   local cluster=$1 spec=$2 name=$3 t0=$SECONDS run_dir
