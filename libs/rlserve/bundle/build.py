@@ -91,11 +91,16 @@ def read_image(path: Path | None) -> dict[str, str | None]:
     return out
 
 
-def _pip_download(args: list[str], dest: Path, python: str, platforms: tuple[str, ...]) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--only-binary=:all:",
+def _pip_download(args: list[str], dest: Path, python: str, platforms: tuple[str, ...]) -> list[Path]:
+    """The wheels pip chose (fetched now, or found in `dest` from an earlier build)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
            "--python-version", python, "--implementation", "cp", "--abi", f"cp{python.replace('.', '')}",
            *(x for p in platforms for x in ("--platform", p)), "-d", str(dest), *args]
-    subprocess.run(cmd, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip download failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    names = re.findall(r"(?:Saved|File was already downloaded) (\S+\.whl)", proc.stdout)
+    return sorted({dest / Path(n).name for n in names})
 
 
 def _drop_requirements(wheel: Path, names: tuple[str, ...]) -> list[str]:
@@ -185,19 +190,21 @@ def _closure(top: list[Requirement], by_name: dict[str, Path], env: dict[str, st
 
 
 def build(out: Path, python: str, platforms: tuple[str, ...], image: Path | None, keep: tuple[str, ...],
-          trim: bool, gpu: bool) -> dict:
+          trim: bool, gpu: bool, cache: Path | None = None) -> dict:
     started = time.time()
     wheels = out / "wheels"
     if out.exists():
         shutil.rmtree(out)
     wheels.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="rlserve-bundle-") as tmp:
-        download = Path(tmp)
-        _pip_download(["-r", str(REQUIREMENTS), "-c", str(CONSTRAINTS)], download, python, platforms)
+        # pip skips files already in `cache` (a rebuild downloads only what changed).
+        download = cache or Path(tmp)
+        download.mkdir(parents=True, exist_ok=True)
+        files = _pip_download(["-r", str(REQUIREMENTS), "-c", str(CONSTRAINTS)], download, python, platforms)
         if gpu:
-            _pip_download(["--no-deps", "-r", str(REQUIREMENTS_NO_DEPS), "-c", str(CONSTRAINTS)], download,
-                          python, platforms)
-        by_name = {wheel_project(f)[0]: f for f in sorted(download.glob("*.whl"))}
+            files += _pip_download(["--no-deps", "-r", str(REQUIREMENTS_NO_DEPS), "-c", str(CONSTRAINTS)],
+                                   download, python, platforms)
+        by_name = {wheel_project(f)[0]: f for f in files}
         image_pkgs = read_image(image)
         dropped = set(RAY_DROPPED_REQUIREMENTS) if trim else set()
         manifest: dict = {"python": python, "platforms": list(platforms), "image": str(image) if image else None,
