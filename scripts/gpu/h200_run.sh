@@ -14,6 +14,8 @@ mkdir -p "$out"
 
 run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME.log and OUT/NAME.tgz
   local cluster=$1 spec=$2 name=$3 t0=$SECONDS run_dir
+  nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -l 5 > "$out/$name-gpu.csv" &
+  local sampler=$!
   {
     deploy/serve up "$cluster"
     echo "serve up: $((SECONDS - t0))s"
@@ -24,10 +26,11 @@ run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
     deploy/serve down "$cluster"
   } > "$out/$name.log" 2>&1
+  kill "$sampler"
   tail -25 "$out/$name.log"
   run_dir=$(ls -td runs/*/ 2>/dev/null | head -1)
   tar czf "$out/$name.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*token*' \
-      ${run_dir:+"$run_dir"} runs/.cluster/*.log -C /tmp/ray session_latest/logs 2>/dev/null
+      ${run_dir:+"$run_dir"} runs/.cluster/*.log 2>/dev/null
 }
 
 for stage in "$@"; do

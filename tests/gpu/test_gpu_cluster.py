@@ -69,6 +69,9 @@ def test_replicas_that_asked_for_a_gpu_fraction_run_on_it(gpu_cluster):
 def test_a_three_step_run_trains_on_the_gpu(gpu_cluster, tmp_path):
     spec = yaml.safe_load((ROOT / "examples" / "grpo_addition_gpu.yaml").read_text())
     spec["sft"] = {"enabled": False}
+    # Without the warm start the random model scores 0 on exact answers, every group ties and nothing trains:
+    # per-character partial credit gives groups a spread.
+    spec["reward"] = {"functions": [{"name": "exact_match", "args": {"partial_credit": True}}]}
     spec["grpo"].update(max_num_steps=3, val_period=3, max_val_samples=32, num_prompts_per_step=16)
     spec["policy"]["train_global_batch_size"] = spec["policy"]["train_micro_batch_size"] = 128
     spec_file = tmp_path / "spec.yaml"
