@@ -303,7 +303,11 @@ def up(cluster: Cluster) -> dict[str, Any]:
 def down(cluster: Cluster) -> None:
     """Stop the applications (the coordinator first, while the services its runs call are still up, so
     a run is interrupted, not failed, and resumes after `up`), then the extra nodes and the head."""
-    if _port_open(cluster.cfg.host, cluster.cfg.ray_port) or cluster.cfg.address:
+    # A local head without this cluster's token file was never started from this cluster file (another
+    # cluster on the same port, say): there is nothing of ours to stop there, and no token to attach with.
+    ours = cluster.cfg.address or (cluster.ray_token_file.is_file() and _port_open(cluster.cfg.host,
+                                                                                    cluster.cfg.ray_port))
+    if ours:
         connect(cluster)
         from ray import serve
 
