@@ -34,6 +34,8 @@ class LearnerWorker:
         torch.set_num_threads(torch_threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(torch_threads))
         self.rank = rank
+        if device == "auto":  # the GPU Ray gave this worker (num_gpus: cluster.gpus_per_worker), if any
+            device = "cuda" if ray.get_gpu_ids() else "cpu"
         self.device = device_for(device, local_rank=0)  # Ray gives each worker its own visible GPU
         init_process_group(rank, world_size, init_method, self.device)
         self.backend = None

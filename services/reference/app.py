@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 
-from rlserve.cluster.deployment import build_app
+from rlserve.cluster.deployment import assigned_device, build_app
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
@@ -46,8 +46,9 @@ class Reference:
         self.default_path = resolve_model(self.args.model, self.args.model_seed)
         self.scorers: OrderedDict[str, ReferenceScorer] = OrderedDict()
         self.lock = asyncio.Lock()
+        self.device = assigned_device()
         self._scorer(str(self.default_path))
-        event(log, "reference.ready", model=self.default_path)
+        event(log, "reference.ready", model=self.default_path, device=self.device)
 
     def _scorer(self, path: str) -> ReferenceScorer:
         if path in self.scorers:
@@ -55,7 +56,7 @@ class Reference:
             return self.scorers[path]
         if not (Path(path) / "config.json").is_file():
             raise invalid_argument("model_path", f"{path} is not an HF model folder")
-        scorer = ReferenceScorer(Path(path), self.args.dtype, self.args.token_budget)
+        scorer = ReferenceScorer(Path(path), self.args.dtype, self.args.token_budget, self.device)
         self.scorers[path] = scorer
         while len(self.scorers) > self.args.max_models:
             self.scorers.popitem(last=False)

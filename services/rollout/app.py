@@ -15,7 +15,7 @@ import time
 
 from ray import serve
 
-from rlserve.cluster.deployment import build_app
+from rlserve.cluster.deployment import assigned_device, build_app
 from rlserve.config.spec import MAX_GENERATIONS_PER_PROMPT
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
@@ -82,7 +82,8 @@ class Rollout:
         self.paths = self.args.paths.policy()
         model_path = resolve_model(self.args.model, self.args.model_seed)
         settings = self.args.model_dump(include=set(EngineSettings.model_fields))
-        self.engine = make_engine(self.args.engine, EngineConfig(model_path=model_path, **settings))
+        self.device = assigned_device()
+        self.engine = make_engine(self.args.engine, EngineConfig(model_path=model_path, device=self.device, **settings))
         specs = checkpoint_specs(model_path)
         self.fingerprint = fingerprint(specs)
         self.info = self.engine.info()
@@ -92,6 +93,7 @@ class Rollout:
                                       lambda base: self.paths.model("base_model_name_or_path", base))
         await self.weights.start()
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
+              device=self.device,
               version=self.weights.version, fingerprint=self.fingerprint,
               weight_transfer=self.engine.transfer_backend or "none")
 

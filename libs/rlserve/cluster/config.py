@@ -123,6 +123,9 @@ class ClusterFile(BaseModel):
     dashboard_port: int | None = Field(None, gt=0, lt=65536)
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
     num_cpus: int | None = Field(None, ge=1)
+    # GPUs the local head offers (replicas ask for fractions of them with `num_gpus`); None: Ray counts
+    # the node's GPUs itself.
+    num_gpus: int | None = Field(None, ge=0)
     object_store_memory_mb: int = Field(1024, ge=78)
     # Where runs, cluster state and logs go. None: ./runs in the working directory;
     # relative paths: to the cluster file.

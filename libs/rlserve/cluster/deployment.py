@@ -43,6 +43,15 @@ class DeploymentArgs(BaseModel):
                                   max_surge_percent=self.max_surge_percent)
 
 
+def assigned_device() -> str:
+    """"cuda" when Ray gave this replica or actor a GPU (or a fraction of one: CUDA_VISIBLE_DEVICES then
+    names it), else "cpu". A process with num_gpus 0 sees every GPU of its node, so "is CUDA available"
+    would put it on a GPU that no one accounted for."""
+    import ray
+
+    return "cuda" if ray.get_gpu_ids() else "cpu"
+
+
 def build_app(deployment: serve.Deployment, args_cls: type[BaseModel], args: dict) -> serve.Application:
     """The body of every app builder: split off `deployment`, validate the rest, bind."""
     args = dict(args)

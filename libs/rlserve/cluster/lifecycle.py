@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -63,6 +64,11 @@ class Cluster:
         return None if tls is None else Path(tls.ca_file or tls.cert_file)
 
     @property
+    def ray_token_file(self) -> Path:
+        """The local head's Ray token (RAY_AUTH_TOKEN_PATH); `up` creates it, mode 0600."""
+        return self.state_dir / "ray_token"
+
+    @property
     def address(self) -> str:
         return self.cfg.address or f"{self.cfg.host}:{self.cfg.ray_port}"
 
@@ -79,6 +85,13 @@ class Cluster:
                "DASHBOARD_METRIC_PORT": str(self.cfg.ray_port + 4)}
         if self.cfg.loopback and not self.cfg.address:
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        if not self.cfg.address:
+            # Ray 2.60 decides token auth per process: `ray start --head` turns it on only if
+            # ~/.ray/auth_token exists (a local `ray.init()` once wrote it), and `ray.init(address=...)`
+            # never does, so a head started after any local ray.init() refused this driver
+            # ("could not connect to 127.0.0.1:6380"). Head, nodes, workers and drivers all get the
+            # same explicit mode and this cluster's own token file instead.
+            env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.ray_token_file)})
         return env
 
 
@@ -127,6 +140,17 @@ def node_marker(name: str) -> str:
 PRIVATE_UMASK = 0o077
 
 
+def ensure_ray_token(cluster: Cluster) -> None:
+    """This cluster's Ray token file (mode 0600, 64 hex digits, no newline), created if missing."""
+    path = cluster.ray_token_file
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
 def start_head(cluster: Cluster) -> None:
     """Start `ray start --head --block` in its own session; its pid file lets `down` stop exactly it."""
     cfg = cluster.cfg
@@ -136,12 +160,16 @@ def start_head(cluster: Cluster) -> None:
         raise RuntimeError(f"something already listens on {cfg.host}:{cfg.ray_port} (ray_port); "
                            f"run `deploy/serve down` for that cluster or pick another ray_port")
     cluster.state_dir.mkdir(parents=True, exist_ok=True)
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    cmd = [ray_bin, "start", "--head", "--block", f"--port={cfg.ray_port}",
+    ensure_ray_token(cluster)
+    # Ray's CLI through this interpreter, not `<interpreter dir>/ray`: an install by PYTHONPATH (an
+    # unpacked offline bundle, `pip install --target`) has no such script.
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={cfg.ray_port}",
            f"--ray-client-server-port={cfg.ray_port + 1}", f"--dashboard-agent-listen-port={cfg.ray_port + 2}",
            f"--object-store-memory={cfg.object_store_memory_mb * 2**20}", "--disable-usage-stats"]
     if cfg.num_cpus:
         cmd.append(f"--num-cpus={cfg.num_cpus}")
+    if cfg.num_gpus is not None:
+        cmd.append(f"--num-gpus={cfg.num_gpus}")
     if cfg.dashboard_port:
         cmd += ["--include-dashboard=true", f"--dashboard-host={cfg.host}", f"--dashboard-port={cfg.dashboard_port}"]
     else:
@@ -211,6 +239,12 @@ def connect(cluster: Cluster) -> None:
         if ray.get_runtime_context().gcs_address == cluster.address:
             return
         _detach()
+    if "RAY_AUTH_TOKEN_PATH" in cluster.env():
+        # Ray caches the token it read first: another cluster's, when this process was attached to one.
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
     for attempt in range(_CONNECT_ATTEMPTS):  # a head just started may not have registered its node yet
         try:
             ray.init(address=cluster.address, namespace="rlserve", log_to_driver=False, logging_level="WARNING",
@@ -293,7 +327,11 @@ def up(cluster: Cluster) -> dict[str, Any]:
 def down(cluster: Cluster) -> None:
     """Stop the applications (the coordinator first, while the services its runs call are still up, so
     a run is interrupted, not failed, and resumes after `up`), then the extra nodes and the head."""
-    if _port_open(cluster.cfg.host, cluster.cfg.ray_port) or cluster.cfg.address:
+    # A local head without this cluster's token file was never started from this cluster file (another
+    # cluster on the same port, say): there is nothing of ours to stop there, and no token to attach with.
+    ours = cluster.cfg.address or (cluster.ray_token_file.is_file() and _port_open(cluster.cfg.host,
+                                                                                    cluster.cfg.ray_port))
+    if ours:
         connect(cluster)
         from ray import serve
 

@@ -140,7 +140,11 @@ class ExportSource:
         self.known = self._seen
 
     def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from vllm.distributed.weight_transfer.base import ParamMeta
+        try:
+            from vllm.distributed.weight_transfer.base import ParamMeta
+        except ImportError:  # no vLLM here (a GPU node with the transformers engine): no direct transfer
+            # either, so the export order is only recorded, as vLLM's (name, dtype, shape) would be.
+            ParamMeta = _ParamMeta  # noqa: N806
 
         for name, tensor in self.backend.export_weights(self._dtype):
             self._seen.append(ParamMeta(name, tensor.dtype, tuple(tensor.shape)))
@@ -148,6 +152,15 @@ class ExportSource:
             yield name, tensor
         self._copy.flush()
         self._complete = True
+
+
+@dataclass(frozen=True)
+class _ParamMeta:
+    """vLLM's `ParamMeta` (name, wire dtype, full shape) where vLLM is not installed."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.forward import completion_positions, gather_logprobs
@@ -24,8 +25,8 @@ class Sequence:
 
 
 class ReferenceScorer:
-    def __init__(self, model_path: Path, dtype: str = "float32", token_budget: int = 8192):
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    def __init__(self, model_path: Path, dtype: str = "float32", token_budget: int = 8192, device: str = "auto"):
+        self.device = resolve_device(device)
         self.model = load_causal_lm(model_path, torch_dtype(dtype)).to(self.device).eval()
         self.output_logits = OutputLogits.from_config(self.model.config)
         self.model_path = str(model_path)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
@@ -31,7 +32,7 @@ class TransformersEngine(BatchEngine):
         if cfg.in_flight_kv_cache != "recompute":
             raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = resolve_device(cfg.device)
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -73,10 +74,14 @@ class TransformersEngine(BatchEngine):
             output_logits=True,
             return_dict_in_generate=True,
         )
-        new_tokens = out.sequences[:, width:].cpu()
-        # Raw (temperature-1) logits of each step, as vLLM reports its logprobs.
-        logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1).cpu()
-        picked = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        new_ids = out.sequences[:, width:]
+        # Raw (temperature-1) logits of each step, as vLLM reports its logprobs, gathered one step at a
+        # time: stacking every step's [rows, vocab] and taking log_softmax of the stack made two more
+        # rows x tokens x vocab fp32 copies on the device (17 GB for 128 x 512 tokens of a 32k vocabulary;
+        # the H200's 1b benchmark saw the rollout replica reach 96 GiB).
+        picked = torch.stack([step.float().log_softmax(-1).gather(-1, new_ids[:, t:t + 1]).squeeze(-1)
+                              for t, step in enumerate(out.logits)], dim=1).cpu()
+        new_tokens = new_ids.cpu()
         samples = [self._cut(new_tokens[i].tolist(), picked[i].tolist(), stop_ids, sampling.stop_strings)
                    for i in range(len(rows))]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]

@@ -68,6 +68,9 @@ class EngineSettings(BaseModel):
 
 class EngineConfig(EngineSettings):
     model_path: Path
+    # Where an in-process engine (transformers) runs: "auto" is CUDA when this process sees a GPU.
+    # A rollout replica passes the device Ray gave it ("cuda" only with num_gpus > 0). vLLM picks its own.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -123,3 +123,19 @@ def test_kuberay_manifest_args_are_valid_for_each_app():
         args_cls = next(v for k, v in vars(module).items() if k.endswith("Args") and k != "DeploymentArgs"
                         and getattr(v, "__module__", "") == module.__name__)
         args_cls.model_validate(args)
+
+
+def test_a_local_head_and_its_drivers_share_token_auth_with_the_clusters_own_token(tmp_path):
+    from rlserve.cluster.config import ClusterFile
+    from rlserve.cluster.lifecycle import Cluster, ensure_ray_token
+
+    cluster = Cluster(ClusterFile(), tmp_path / "runs")
+    env = cluster.env()
+    assert env["RAY_AUTH_MODE"] == "token"
+    assert env["RAY_AUTH_TOKEN_PATH"] == str(tmp_path / "runs" / ".cluster" / "ray_token")
+    ensure_ray_token(cluster)
+    token = cluster.ray_token_file
+    assert len(token.read_text()) == 64 and (token.stat().st_mode & 0o777) == 0o600
+    ensure_ray_token(cluster)  # kept, not replaced
+    # An existing cluster keeps its own authentication settings.
+    assert "RAY_AUTH_MODE" not in Cluster(ClusterFile(address="10.0.0.5:6379"), tmp_path).env()

@@ -162,6 +162,11 @@ class MegatronBackend(LearnerBackend):
         if init_adapter is not None:
             load_adapter(self.gpt, lora.read_adapter_for(init_adapter, self.adapter_config), self.hf_config,
                          self.lora_targets)
+        if device.type == "cuda":
+            # As Megatron's own get_model does before DDP: the local spec's torch norms are built on the
+            # CPU, and with LoRA nothing else moves them (frozen parameters stay out of DDP's buffers),
+            # which failed on the H200 with "weight is on cpu" in the first RMSNorm.
+            self.gpt.cuda(torch.cuda.current_device())
         self._build_training_stack(passthrough)
         self.exporter = (AdapterExporter(self.gpt, self.hf_config, self.lora_targets) if self.adapter_config else
                          Exporter(self.gpt, self.hf_config, self.use_te, self.tconfig.moe_grouped_gemm))

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU system on a machine with no package index (the lent H200), as a user would run it:
+#   scripts/gpu/h200_run.sh BUNDLE OUT STAGE...
+# BUNDLE: a folder made by `deploy/bundle build`; OUT: where logs and results go.
+# Stages: install (the bundle into python3's environment; with --target /tmp/site if that fails),
+# check, demo (cluster_gpu_one + grpo_addition_gpu), 1b (cluster_gpu_one_1b + grpo_1b_gpu),
+# gputests (pytest tests/gpu). Each stage logs to OUT/<stage>.log.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bundle=$1 out=$2; shift 2
+export RLSERVE_PYTHON=${RLSERVE_PYTHON:-python3} PYTHONUNBUFFERED=1
+mkdir -p "$out"
+[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # an earlier --target install
+
+run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME.log and OUT/NAME.tgz
+  local cluster=$1 spec=$2 name=$3 t0=$SECONDS run_dir
+  nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -l 5 > "$out/$name-gpu.csv" &
+  local sampler=$!
+  {
+    deploy/serve up "$cluster"
+    echo "serve up: $((SECONDS - t0))s"
+    deploy/serve status "$cluster"
+    t0=$SECONDS
+    deploy/rlserve submit "$spec" --watch
+    echo "submit --watch: $((SECONDS - t0))s"
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
+    deploy/serve down "$cluster"
+  } > "$out/$name.log" 2>&1
+  kill "$sampler"
+  tail -25 "$out/$name.log"
+  run_dir=$(ls -td runs/*/ 2>/dev/null | head -1)
+  tar czf "$out/$name.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*token*' \
+      ${run_dir:+"$run_dir"} runs/.cluster/*.log 2>/dev/null
+}
+
+for stage in "$@"; do
+  case $stage in
+    install)
+      python3 -m pip list --format=freeze > "$out/image_pip.txt" 2>/dev/null
+      if ! bash "$bundle/install.sh" python3 > "$out/install.log" 2>&1; then
+        echo "bundle: env install failed (see install.log); installing with --target /tmp/site" | tee -a "$out/install.log"
+        bash "$bundle/install.sh" --target /tmp/site python3 >> "$out/install.log" 2>&1
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      tail -3 "$out/install.log";;
+    check) deploy/bundle check 2>&1 | tee "$out/check.log";;
+    demo) run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml demo;;
+    1b) run_cluster examples/cluster_gpu_one_1b.yaml examples/grpo_1b_gpu.yaml 1b;;
+    gputests) PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} timeout "${GPUTESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
+                tests/gpu ${GPUTESTS_ARGS:-} > "$out/gputests.log" 2>&1; tail -15 "$out/gputests.log";;
+    *) echo "unknown stage $stage" >&2; exit 2;;
+  esac
+done
