@@ -1,7 +1,9 @@
 """The run spec: one YAML document that says everything about a GRPO run.
 
 Key names follow NeMo-RL's config (`policy.*`, `grpo.*`, `loss_fn.*`,
-`data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home.
+`data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home. The
+sections that choose and tune the algorithm (advantages, loss, reward shaping)
+live in `algorithms.py`, the base class of every section in `section.py`.
 Every default lives here, on the classes; call sites read fields and never
 pass their own fallbacks. Unknown keys are errors (see `rlserve.config.errors`).
 
@@ -14,11 +16,12 @@ of 2**70 once made every later ListRuns fail).
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
+from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg
+from rlserve.config.section import Section
 from rlserve.data.tasks import TASKS
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
@@ -43,32 +46,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-
-
-def _takes_bool(annotation: Any) -> bool:
-    return annotation is bool or any(_takes_bool(a) for a in get_args(annotation))
-
-
-def _takes_number(annotation: Any) -> bool:
-    return annotation in (int, float) or any(_takes_number(a) for a in get_args(annotation))
-
-
-class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, values are checked on assignment, floats finite,
-    and a number field never takes true/false (pydantic would read `max_num_steps: true` as 1)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, value in data.items():
-                field = cls.model_fields.get(key) if isinstance(key, str) else None
-                if isinstance(value, bool) and field is not None and _takes_number(field.annotation) \
-                        and not _takes_bool(field.annotation):
-                    raise ValueError(f"{key}: a number, not {str(value).lower()}")
-        return data
 
 
 class AdamWKwargs(Section):
@@ -305,16 +282,6 @@ class AsyncGrpoCfg(Section):
     prompts_per_request: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
 
 
-class AdvEstimatorCfg(Section):
-    """How rewards become advantages (`rlserve.algorithms.advantages`); NeMo-RL's AdvEstimatorConfig."""
-
-    name: Literal[ADVANTAGE_ESTIMATORS.names] = "grpo"
-    # Divide by the group's reward std.
-    normalize_rewards: bool = True
-    # RLOO's baseline: the mean of the group's other samples.
-    use_leave_one_out_baseline: bool = False
-
-
 # grpo.* keys of earlier specs, now under grpo.adv_estimator.
 LEGACY_ADV_ESTIMATOR_KEYS = ("normalize_rewards", "use_leave_one_out_baseline")
 
@@ -367,44 +334,6 @@ class SftCfg(Section):
     val_period: int = Field(25, ge=1, le=MAX_STEPS)
     # Stop early once the held-out reward reaches this (None: run all steps).
     stop_at_val_reward: float | None = Field(0.25, ge=0)
-
-
-class LossFnCfg(Section):
-    # The loss of the GRPO steps (`rlserve.algorithms.registry`); the SFT warm start always uses "sft".
-    name: Literal[tuple(n for n in LOSSES.names if n not in SUPERVISED_LOSSES)] = "grpo"
-    reference_policy_kl_penalty: float = Field(0.0, ge=0)
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    kl_input_clamp_value: float | None = Field(20.0, gt=0)
-    kl_output_clamp_value: float | None = Field(10.0, gt=0)
-    ratio_clip_min: float = Field(0.2, ge=0, lt=1)
-    ratio_clip_max: float = Field(0.2, ge=0, le=100)
-    # Dual-clip constant c > 1 (Ye et al. 2020); None disables it.
-    ratio_clip_c: float | None = Field(None, gt=1)
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
-    # Truncation of the generator->learner importance weight; None: no truncation.
-    truncated_importance_sampling_ratio: float | None = Field(2.0, gt=0)
-    truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
-    # icepop masks tokens whose weight leaves [ratio_min, ratio]; ratio_min None means 1/ratio.
-    truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
-    # GSPO (Zheng et al. 2025): one ratio and one importance weight per sequence (geometric mean
-    # over its tokens), for both the PPO ratio and the generator correction.
-    sequence_level_importance_ratios: bool = False
-    token_level_loss: bool = True
-
-    @model_validator(mode="after")
-    def _consistent(self) -> LossFnCfg:
-        if self.sequence_level_importance_ratios and self.token_level_loss:
-            raise ValueError("loss_fn.sequence_level_importance_ratios: sequence-level ratios need "
-                             "loss_fn.token_level_loss: false (as in NeMo-RL)")
-        lo, hi = self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio
-        if lo is not None:
-            if self.truncated_importance_sampling_type != "icepop":
-                raise ValueError("loss_fn.truncated_importance_sampling_ratio_min: only used by the icepop type")
-            if hi is not None and lo > hi:
-                raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min: {lo} is above "
-                                 f"truncated_importance_sampling_ratio {hi}")
-        return self
 
 
 class DataColumnsCfg(Section):
