@@ -15,10 +15,11 @@ from rlserve.registry import Registry, import_object
 
 if TYPE_CHECKING:
     from rlserve.algorithms.interfaces import AdvantageEstimator, Loss
-    from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
+    from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg
 
 LOSSES = Registry("loss", {
     "grpo": "rlserve.algorithms.losses.grpo:GrpoLoss",
+    "cispo": "rlserve.algorithms.losses.cispo:CispoLoss",
     "sft": "rlserve.algorithms.losses.sft:SftLoss",
 })
 
@@ -27,6 +28,7 @@ SUPERVISED_LOSSES = ("sft",)
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", {
     "grpo": "rlserve.algorithms.advantages.grpo:GrpoAdvantageEstimator",
+    "reinforce_plus_plus": "rlserve.algorithms.advantages.reinforce_plus_plus:ReinforcePlusPlusAdvantageEstimator",
 })
 
 
@@ -35,6 +37,6 @@ def make_loss(name: str, cfg: LossFnCfg) -> Loss:
     return import_object(LOSSES[name])(cfg)
 
 
-def advantage_estimator(cfg: AdvEstimatorCfg) -> AdvantageEstimator:
-    """The estimator `cfg.name` names, configured by `cfg` (ValueError if unknown)."""
-    return import_object(ADVANTAGE_ESTIMATORS[cfg.name])(cfg)
+def advantage_estimator(cfg: AdvEstimatorCfg, loss_cfg: LossFnCfg) -> AdvantageEstimator:
+    """The estimator `cfg.name` names, configured by `cfg` and the run's `loss_fn` (ValueError if unknown)."""
+    return import_object(ADVANTAGE_ESTIMATORS[cfg.name])(cfg, loss_cfg)

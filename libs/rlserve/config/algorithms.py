@@ -11,17 +11,33 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
-from rlserve.config.section import Section
+from rlserve.config.section import MAX_SEQUENCE_LENGTH, Section
+
+# The keys of grpo.adv_estimator each estimator reads (another estimator's, set off its default, is refused).
+ESTIMATOR_KEYS = {"grpo": ("normalize_rewards", "use_leave_one_out_baseline"),
+                  "reinforce_plus_plus": ("minus_baseline",)}
 
 
 class AdvEstimatorCfg(Section):
     """How rewards become advantages (`rlserve.algorithms.advantages`); NeMo-RL's AdvEstimatorConfig."""
 
     name: Literal[ADVANTAGE_ESTIMATORS.names] = "grpo"
-    # Divide by the group's reward std.
+    # grpo: divide by the group's reward std.
     normalize_rewards: bool = True
-    # RLOO's baseline: the mean of the group's other samples.
+    # grpo: RLOO's baseline, the mean of the group's other samples.
     use_leave_one_out_baseline: bool = False
+    # reinforce_plus_plus: subtract the group's mean reward before the batch normalisation
+    # (REINFORCE++-baseline); false: the raw reward (REINFORCE++ as first published).
+    minus_baseline: bool = True
+
+    @model_validator(mode="after")
+    def _keys_of_this_estimator(self) -> AdvEstimatorCfg:
+        for name, keys in ESTIMATOR_KEYS.items():
+            for key in keys:
+                if name != self.name and getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"grpo.adv_estimator.{key}: only read by the {name} estimator "
+                                     f"(grpo.adv_estimator.name is {self.name!r})")
+        return self
 
 
 class LossFnCfg(Section):
@@ -29,9 +45,14 @@ class LossFnCfg(Section):
     name: Literal[tuple(n for n in LOSSES.names if n not in SUPERVISED_LOSSES)] = "grpo"
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # The KL penalty goes into each token's reward (REINFORCE++; the reinforce_plus_plus estimator
+    # reads it) instead of into the loss.
+    use_kl_in_reward: bool = False
     kl_input_clamp_value: float | None = Field(20.0, gt=0)
     kl_output_clamp_value: float | None = Field(10.0, gt=0)
-    ratio_clip_min: float = Field(0.2, ge=0, lt=1)
+    # The clip range [1 - ratio_clip_min, 1 + ratio_clip_max] of the PPO ratio (grpo) or of the
+    # importance weight (cispo, where MiniMax-M1 sets no lower bound: ratio_clip_min 1).
+    ratio_clip_min: float = Field(0.2, ge=0, le=1)
     ratio_clip_max: float = Field(0.2, ge=0, le=100)
     # Dual-clip constant c > 1 (Ye et al. 2020); None disables it.
     ratio_clip_c: float | None = Field(None, gt=1)
@@ -49,6 +70,14 @@ class LossFnCfg(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> LossFnCfg:
+        if self.name == "cispo":
+            # CISPO is a token-level objective on a clipped, detached weight (NeMo-RL refuses the same).
+            if self.ratio_clip_c is not None:
+                raise ValueError("loss_fn.ratio_clip_c: the dual clip does not apply to the cispo loss")
+            if self.sequence_level_importance_ratios:
+                raise ValueError("loss_fn.sequence_level_importance_ratios: the cispo loss weighs each token")
+            if not self.token_level_loss:
+                raise ValueError("loss_fn.token_level_loss: the cispo loss is token-level")
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("loss_fn.sequence_level_importance_ratios: sequence-level ratios need "
                              "loss_fn.token_level_loss: false (as in NeMo-RL)")
@@ -59,4 +88,23 @@ class LossFnCfg(Section):
             if hi is not None and lo > hi:
                 raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min: {lo} is above "
                                  f"truncated_importance_sampling_ratio {hi}")
+        return self
+
+
+class RewardShapingCfg(Section):
+    """DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4): a completion
+    longer than max_response_length - overlong_buffer_length tokens loses reward linearly, up to
+    overlong_buffer_penalty at max_response_length (`rlserve.algorithms.reward_shaping`). NeMo-RL's
+    `grpo.reward_shaping` keys (verl: `reward_model.overlong_buffer.{len, penalty_factor}`)."""
+
+    enabled: bool = False
+    overlong_buffer_length: int | None = Field(None, ge=1, le=MAX_SEQUENCE_LENGTH)
+    overlong_buffer_penalty: float = Field(1.0, ge=0, le=1e6)
+    # None: policy.generation.max_new_tokens (the cap generation stops at).
+    max_response_length: int | None = Field(None, ge=1, le=MAX_SEQUENCE_LENGTH)
+
+    @model_validator(mode="after")
+    def _buffer_given(self) -> RewardShapingCfg:
+        if self.enabled and self.overlong_buffer_length is None:
+            raise ValueError("overlong_buffer_length: required when reward shaping is enabled")
         return self

@@ -20,28 +20,27 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg
-from rlserve.config.section import Section
+from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg, RewardShapingCfg
+from rlserve.config.section import (
+    MAX_EXAMPLES,
+    MAX_GENERATIONS_PER_PROMPT,
+    MAX_LORA_RANK,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_PROMPTS_PER_STEP,
+    MAX_SEED,
+    MAX_SEQUENCE_LENGTH,
+    MAX_STEPS,
+    MAX_SYSTEM_PROMPT_CHARS,
+    MAX_TRAJECTORIES_PER_STEP,
+    MAX_VAL_EXAMPLES,
+    MAX_WORKERS,
+    NAME_PATTERN,
+    Section,
+)
 from rlserve.data.tasks import TASKS
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
-
-# Upper bounds of the spec's sizes (a request cannot ask for more).
-MAX_STEPS = 1_000_000
-MAX_PROMPTS_PER_STEP = 4096
-MAX_GENERATIONS_PER_PROMPT = 1024
-MAX_TRAJECTORIES_PER_STEP = 65_536
-MAX_SEQUENCE_LENGTH = 131_072
-MAX_EXAMPLES = 1_000_000
-MAX_VAL_EXAMPLES = 100_000
-MAX_SEED = 2**31 - 1
-MAX_WORKERS = 1024
-MAX_LORA_RANK = 1024
-MAX_NAME_CHARS = 64
-MAX_PATH_CHARS = 4096
-MAX_SYSTEM_PROMPT_CHARS = 65_536
-# Run names become folder names: letters, digits, '-', '_', '.', not starting with '.'.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
@@ -293,6 +292,14 @@ class GrpoCfg(Section):
     adv_estimator: AdvEstimatorCfg = AdvEstimatorCfg()
     # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
     skip_zero_advantage_groups: bool = True
+    # DAPO's dynamic sampling (`grpo/producer.py`): the producer drops groups whose task rewards are
+    # all equal and generates more prompts, batch_multiplier x num_prompts_per_step at a time, until
+    # the step has num_prompts_per_step groups that carry signal, at most
+    # dynamic_sampling_max_gen_batches batches (then the step trains what it has, with a WARNING).
+    use_dynamic_sampling: bool = False
+    batch_multiplier: float = Field(1.0, ge=1, le=64)
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1, le=1000)
+    reward_shaping: RewardShapingCfg = RewardShapingCfg()
     val_period: int = Field(10, ge=0, le=MAX_STEPS)
     val_at_start: bool = True
     max_val_samples: int = Field(128, ge=1, le=MAX_VAL_EXAMPLES)
@@ -317,6 +324,13 @@ class GrpoCfg(Section):
         moved = {k: data[k] for k in LEGACY_ADV_ESTIMATOR_KEYS if k in data}
         rest = {k: v for k, v in data.items() if k not in LEGACY_ADV_ESTIMATOR_KEYS}
         return {**rest, "adv_estimator": {**estimator, **moved}}
+
+    @property
+    def gen_batch_prompts(self) -> int:
+        """Prompts per generation batch: a step's one batch, or each of dynamic sampling's."""
+        if not self.use_dynamic_sampling:
+            return self.num_prompts_per_step
+        return int(self.batch_multiplier * self.num_prompts_per_step)
 
     @property
     def max_age(self) -> int:
@@ -477,6 +491,17 @@ class RunSpec(Section):
                 f"grpo.num_generations_per_prompt: {self.grpo.num_prompts_per_step} prompts x "
                 f"{self.grpo.num_generations_per_prompt} generations exceed {MAX_TRAJECTORIES_PER_STEP} "
                 f"trajectories per step")
+        if self.grpo.gen_batch_prompts * self.grpo.num_generations_per_prompt > MAX_TRAJECTORIES_PER_STEP:
+            raise ValueError(
+                f"grpo.batch_multiplier: generation batches of {self.grpo.gen_batch_prompts} prompts x "
+                f"{self.grpo.num_generations_per_prompt} generations exceed {MAX_TRAJECTORIES_PER_STEP} trajectories")
+        shaping = self.grpo.reward_shaping
+        if shaping.enabled and shaping.overlong_buffer_length > self.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length: {shaping.overlong_buffer_length} exceeds the "
+                f"response length it ends at ({self.max_response_length}: grpo.reward_shaping.max_response_length "
+                f"or policy.generation.max_new_tokens)")
+        self._check_kl_in_reward()
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(
                 f"policy.generation.max_new_tokens: {gen.max_new_tokens} must be below "
@@ -493,13 +518,32 @@ class RunSpec(Section):
                 f"({self.cluster.num_workers})")
         return self
 
+    def _check_kl_in_reward(self) -> None:
+        if self.loss_fn.use_kl_in_reward and self.grpo.adv_estimator.name != "reinforce_plus_plus":
+            raise ValueError(f"loss_fn.use_kl_in_reward: only the reinforce_plus_plus estimator puts the KL in "
+                             f"the reward (grpo.adv_estimator.name is {self.grpo.adv_estimator.name!r})")
+
+    @property
+    def max_response_length(self) -> int:
+        """Where DAPO's overlong penalty reaches its full weight."""
+        return self.grpo.reward_shaping.max_response_length or self.policy.generation.max_new_tokens
+
     @property
     def batch_size(self) -> int:
         """Trajectories per GRPO step."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
 
     @property
+    def reference_to_learner(self) -> bool:
+        """The loss's KL term needs reference logprobs, and the reference service computes them: a LoRA
+        run's learner computes them itself with its adapters off (its reference is the base model)."""
+        return (self.loss_fn.reference_policy_kl_penalty > 0 and not self.loss_fn.use_kl_in_reward
+                and not self.policy.lora.enabled)
+
+    @property
     def reference_from_service(self) -> bool:
-        """The KL term needs reference logprobs, and the reference service computes them: a LoRA run's
-        learner computes them itself with its adapters off (its reference is the base model)."""
-        return self.loss_fn.reference_policy_kl_penalty > 0 and not self.policy.lora.enabled
+        """The coordinator asks the reference service for every step's logprobs: for the learner's KL term,
+        or for a KL in the reward (REINFORCE++), which the coordinator computes (in a LoRA run too, from
+        the base model the run starts from)."""
+        kl_in_reward = self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0
+        return self.reference_to_learner or kl_in_reward

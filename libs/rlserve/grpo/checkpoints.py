@@ -4,10 +4,10 @@ The loop's part (step, version, data cursor, ledger, queued steps, reward
 version, initial policy) is written last, so a checkpoint folder without
 coordinator.json is incomplete and never resumed from. Queued steps are
 saved, so a resume loses no trajectory that was counted as generated. The
-data cursor is that of the first step not in the checkpoint
-(`produced_steps * num_prompts_per_step`), never the position of a
-generation still in progress, so a resumed run trains exactly the prompts an
-uninterrupted one would.
+data cursor is that of the first step not in the checkpoint (where the last
+committed step's prompts end), never the position of a generation still in
+progress, so a resumed run trains exactly the prompts an uninterrupted one
+would.
 
 Restoring commits everything at once, after the learner has loaded: until
 then GetRun shows the run as it was, afterwards as the checkpoint left it.
@@ -49,8 +49,12 @@ def _queued_steps(saved: list[dict]) -> list[ProducedStep]:
             step = g.pop("step")
             g.pop("ids", None)
             by_step.setdefault(step, []).append(Group(**g))
-        return [ProducedStep(step, groups) for step, groups in sorted(by_step.items())]
-    return [ProducedStep(s["step"], [Group(**g) for g in s["groups"]], s["metrics"]) for s in saved]
+        return [ProducedStep(step, groups, {}, min(g.prompt_index for g in groups))
+                for step, groups in sorted(by_step.items())]
+    # Steps saved before they recorded their data cursor start at their first group's prompt.
+    return [ProducedStep(s["step"], [Group(**g) for g in s["groups"]], s["metrics"],
+                         s.get("data_cursor", min((g["prompt_index"] for g in s["groups"]), default=0)))
+            for s in saved]
 
 
 class Checkpoints:
@@ -74,7 +78,7 @@ class Checkpoints:
                                f"{sum(s.size for s in queued)} queued")
         state = {
             "step": step, "weight_version": resp.weight_version, "produced_steps": self.producer.produced_steps,
-            "data_cursor": self.producer.produced_steps * self.inputs.spec.grpo.num_prompts_per_step,
+            "data_cursor": self.producer.data_cursor,
             "ledger": run.ledger.to_dict(), "reward_version": self.producer.reward_version,
             "init_model": str(self.trainer.init_model), "initial_val": self.trainer.initial_val,
             "buffer": [dataclasses.asdict(s) for s in queued],
@@ -108,6 +112,7 @@ class Checkpoints:
         self.trainer.step = state["step"]
         self.producer.produced_steps = state["produced_steps"]
         self.producer.sampler.seek(state["data_cursor"])
+        self.producer.data_cursor = state["data_cursor"]
         self.producer.reward_version = state["reward_version"]
         self.queue.load(queued, state["step"])
         self._rewind(reason, f"continued from {folder.name} (version {loaded.weight_version}, "

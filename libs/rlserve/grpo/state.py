@@ -69,9 +69,11 @@ class RunInputs:
 
 @dataclass
 class ProducerState:
-    # Step k's prompts are the data cursor's [k * P, (k + 1) * P) (P = num_prompts_per_step).
+    # Steps take prompts at the data cursor in order: P = num_prompts_per_step each, or with dynamic
+    # sampling as many generation batches as the step needs.
     sampler: PromptSampler
     produced_steps: int = 0  # steps whose groups are in the queue or trained
+    data_cursor: int = 0  # the data cursor after the last committed step's prompts
     reward_version: str | None = None
     activity: Activity = field(default_factory=dict)  # the newest activity of each rollout replica
 

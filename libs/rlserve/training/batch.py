@@ -26,17 +26,22 @@ class TrainBatch:
     advantages: torch.Tensor  # [S] float32 (zeros for SFT)
     gen_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (SFT)
     ref_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (no KL)
+    # [total_completion_tokens] float32 when each token has its own advantage (REINFORCE++'s KL in
+    # the reward); then `advantages` is unused. None: every token takes its sequence's advantage.
+    token_advantages: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(cls, token_ids: list[list[int]], prompt_lens: list[int], advantages: list[float] | None = None,
                        gen_logprobs: list[list[float]] | None = None,
-                       ref_logprobs: list[list[float]] | None = None) -> TrainBatch:
+                       ref_logprobs: list[list[float]] | None = None,
+                       token_advantages: list[list[float]] | None = None) -> TrainBatch:
         if not token_ids:
             raise ValueError("empty batch")
         for i, (ids, p) in enumerate(zip(token_ids, prompt_lens)):
             if not 0 < p < len(ids):
                 raise ValueError(f"sequences[{i}]: prompt_length {p} must be in 1..{len(ids) - 1}")
-            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs)):
+            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs),
+                                  ("token_advantages", token_advantages)):
                 if per_tok is not None and len(per_tok[i]) != len(ids) - p:
                     raise ValueError(f"sequences[{i}].{name}: {len(per_tok[i])} values for "
                                      f"{len(ids) - p} completion tokens")
@@ -52,6 +57,7 @@ class TrainBatch:
                                     dtype=torch.float32),
             gen_logprobs=flat(gen_logprobs),
             ref_logprobs=flat(ref_logprobs),
+            token_advantages=flat(token_advantages),
         )
 
     @property
@@ -154,7 +160,8 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         completion_mask=completion,
         hidden_index=completion_positions(completion).flatten().nonzero().squeeze(1),
         targets=input_ids[completion],
-        advantages=batch.advantages[idx].repeat_interleave(comp_lens),
+        advantages=(batch.advantages[idx].repeat_interleave(comp_lens) if batch.token_advantages is None
+                    else _per_token(batch, batch.token_advantages, real) if real else _empty(batch.token_advantages)),
         gen_logprobs=_per_token(batch, batch.gen_logprobs, real) if real else _empty(batch.gen_logprobs),
         ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),
         seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),

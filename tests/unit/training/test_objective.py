@@ -42,5 +42,5 @@ def test_a_loss_that_needs_generator_logprobs_refuses_a_batch_without_them():
 
 
 def test_unknown_loss_names_fail_listing_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, sft"):
+    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, cispo, sft"):
         objective("ppo")
