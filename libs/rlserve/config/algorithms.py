@@ -6,7 +6,7 @@ spec validates without it. Keys are NeMo-RL's where it has them (else verl's).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -67,6 +67,21 @@ class LossFnCfg(Section):
     # over its tokens), for both the PPO ratio and the generator correction.
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _use_cispo(cls, data: Any) -> Any:
+        """NeMo-RL's `loss_fn.use_cispo: true` is `loss_fn.name: cispo` here (written back in that form)."""
+        if not isinstance(data, dict) or "use_cispo" not in data:
+            return data
+        rest = {k: v for k, v in data.items() if k != "use_cispo"}
+        if data["use_cispo"] is True:
+            if rest.get("name", "cispo") != "cispo":
+                raise ValueError(f"use_cispo: true, but loss_fn.name is {rest['name']!r}; keep one of them")
+            return {**rest, "name": "cispo"}
+        if data["use_cispo"] is False:
+            return rest
+        raise ValueError(f"use_cispo: true or false, not {data['use_cispo']!r}")
 
     @model_validator(mode="after")
     def _consistent(self) -> LossFnCfg:

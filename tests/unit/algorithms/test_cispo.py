@@ -91,3 +91,14 @@ def test_the_spec_refuses_what_cispo_does_not_define(keys, field):
     with pytest.raises(SpecError) as err:
         parse_spec({"loss_fn": {"name": "cispo", **keys}})
     assert err.value.problems[0].startswith(field + ":")
+
+
+def test_nemo_rl_use_cispo_names_the_loss():
+    from rlserve.config import load_spec, spec_to_yaml
+
+    spec = parse_spec({"loss_fn": {"use_cispo": True, "ratio_clip_min": 1.0, "ratio_clip_max": 5.0}})
+    assert spec.loss_fn.name == "cispo" and load_spec(spec_to_yaml(spec)) == spec
+    assert parse_spec({"loss_fn": {"use_cispo": False}}).loss_fn.name == "grpo"
+    with pytest.raises(SpecError) as err:
+        parse_spec({"loss_fn": {"use_cispo": True, "name": "grpo"}})
+    assert err.value.problems[0].startswith("loss_fn.use_cispo:")

@@ -148,6 +148,8 @@ def test_any_unknown_key_is_rejected_with_its_path(section, key):
     known = set(RunSpec.model_fields[section].annotation.model_fields)
     if section == "grpo":
         known |= set(LEGACY_ADV_ESTIMATOR_KEYS)
+    if section == "loss_fn":
+        known |= {"use_cispo"}  # NeMo-RL's spelling of loss_fn.name: cispo
     if key in known:
         return
     (p,) = problems({section: {key: 1}})
