@@ -1,4 +1,4 @@
-"""The spec sections that choose and tune the algorithm: advantages, the loss, reward shaping.
+"""The spec sections that choose and tune the algorithm: advantages, the loss, reward shaping, SFT, DPO.
 
 Names come from the registries (`rlserve.algorithms.registry`), which import no torch, so a
 spec validates without it. Keys are NeMo-RL's where it has them (else verl's).
@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
-from rlserve.config.section import MAX_SEQUENCE_LENGTH, Section
+from rlserve.config.section import MAX_SEQUENCE_LENGTH, MAX_STEPS, MAX_TRAJECTORIES_PER_STEP, Section
 
 # The keys of grpo.adv_estimator each estimator reads (another estimator's, set off its default, is refused).
 ESTIMATOR_KEYS = {"grpo": ("normalize_rewards", "use_leave_one_out_baseline"),
@@ -122,4 +122,41 @@ class RewardShapingCfg(Section):
     def _buffer_given(self) -> RewardShapingCfg:
         if self.enabled and self.overlong_buffer_length is None:
             raise ValueError("overlong_buffer_length: required when reward shaping is enabled")
+        return self
+
+
+class SftCfg(Section):
+    """Supervised training on the data's reference answers (assistant turns): the warm start before GRPO
+    (`enabled`), or an `algorithm: sft` run (then `enabled` stays false). Constant lr, one update per step."""
+
+    enabled: bool = False
+    max_num_steps: int = Field(300, ge=1, le=MAX_STEPS)
+    batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
+    lr: float = Field(1e-3, gt=0, le=1.0)
+    val_period: int = Field(25, ge=1, le=MAX_STEPS)
+    # Stop early once the held-out reward reaches this (None: run all steps).
+    stop_at_val_reward: float | None = Field(0.25, ge=0)
+
+
+class DpoCfg(Section):
+    """An `algorithm: dpo` run (Rafailov et al. 2023, `rlserve.algorithms.losses.dpo`) on a preference file;
+    NeMo-RL's `dpo` keys. Constant lr, one update per step."""
+
+    max_num_steps: int = Field(100, ge=1, le=MAX_STEPS)
+    # Preference pairs per step (two sequences each; NeMo-RL: policy.train_global_batch_size).
+    batch_size: int = Field(32, ge=1, le=MAX_TRAJECTORIES_PER_STEP // 2)
+    lr: float = Field(1e-5, gt=0, le=1.0)
+    # DPO's beta: how far the policy may move from the reference for a given preference.
+    reference_policy_kl_penalty: float = Field(0.05, gt=0, le=1000)
+    preference_loss_weight: float = Field(1.0, ge=0, le=1000)
+    # An NLL term on the chosen response (0: plain DPO).
+    sft_loss_weight: float = Field(0.0, ge=0, le=1000)
+    # Per-token means of the responses' logprobs instead of sums.
+    preference_average_log_probs: bool = False
+    sft_average_log_probs: bool = False
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> DpoCfg:
+        if self.preference_loss_weight == 0 and self.sft_loss_weight == 0:
+            raise ValueError("preference_loss_weight: 0, and sft_loss_weight is 0 too: the loss would be 0")
         return self

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg, RewardShapingCfg
+from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg, RewardShapingCfg, SftCfg
 from rlserve.config.section import (
     MAX_EXAMPLES,
     MAX_GENERATIONS_PER_PROMPT,
@@ -338,18 +338,6 @@ class GrpoCfg(Section):
         return self.async_grpo.max_trajectory_age_steps if self.async_grpo.enabled else 0
 
 
-class SftCfg(Section):
-    """Supervised warm start on the task's reference answers before GRPO."""
-
-    enabled: bool = False
-    max_num_steps: int = Field(300, ge=1, le=MAX_STEPS)
-    batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
-    lr: float = Field(1e-3, gt=0, le=1.0)
-    val_period: int = Field(25, ge=1, le=MAX_STEPS)
-    # Stop early once the held-out reward reaches this (None: run all steps).
-    stop_at_val_reward: float | None = Field(0.25, ge=0)
-
-
 class DataColumnsCfg(Section):
     """The data file's column for each field (HF `datasets` files keep their own names)."""
 
@@ -357,6 +345,9 @@ class DataColumnsCfg(Section):
     messages: str = Field("messages", min_length=1, max_length=MAX_NAME_CHARS)
     answer: str = Field("answer", min_length=1, max_length=MAX_NAME_CHARS)
     metadata: str = Field("metadata", min_length=1, max_length=MAX_NAME_CHARS)
+    # Preference files (algorithm: dpo): the preferred and the dispreferred response.
+    chosen: str = Field("chosen", min_length=1, max_length=MAX_NAME_CHARS)
+    rejected: str = Field("rejected", min_length=1, max_length=MAX_NAME_CHARS)
 
 
 # data.task values that read train_path/val_path instead of generating examples.
@@ -470,12 +461,19 @@ class ClusterCfg(Section):
     torch_threads: int = Field(1, ge=1, le=1024)
 
 
+# What a run trains: GRPO's loop (`rlserve.grpo`), or supervised fine-tuning or DPO on a data file
+# (`rlserve.supervised`), through the same learner, checkpoints, export and run API.
+ALGORITHMS = ("grpo", "sft", "dpo")
+
+
 class RunSpec(Section):
     # Part of the run id and of its folder's name.
     name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
+    algorithm: Literal[ALGORITHMS] = "grpo"
     policy: PolicyCfg = PolicyCfg()
     grpo: GrpoCfg = GrpoCfg()
     sft: SftCfg = SftCfg()
+    dpo: DpoCfg = DpoCfg()
     loss_fn: LossFnCfg = LossFnCfg()
     data: DataCfg = DataCfg()
     reward: RewardCfg = RewardCfg()
@@ -502,6 +500,7 @@ class RunSpec(Section):
                 f"response length it ends at ({self.max_response_length}: grpo.reward_shaping.max_response_length "
                 f"or policy.generation.max_new_tokens)")
         self._check_kl_in_reward()
+        self._check_run_type()
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(
                 f"policy.generation.max_new_tokens: {gen.max_new_tokens} must be below "
@@ -522,6 +521,26 @@ class RunSpec(Section):
         if self.loss_fn.use_kl_in_reward and self.grpo.adv_estimator.name != "reinforce_plus_plus":
             raise ValueError(f"loss_fn.use_kl_in_reward: only the reinforce_plus_plus estimator puts the KL in "
                              f"the reward (grpo.adv_estimator.name is {self.grpo.adv_estimator.name!r})")
+
+    def _check_run_type(self) -> None:
+        if self.algorithm == "grpo":
+            return
+        if self.sft.enabled:
+            raise ValueError(f"sft.enabled: the SFT warm start comes before GRPO; an algorithm: {self.algorithm} run "
+                             f"trains from policy.model_name itself" + (" with the sft section's settings"
+                                                                        if self.algorithm == "sft" else ""))
+        if self.policy.lora.enabled:
+            raise ValueError(f"{self.policy.lora_key}.enabled: LoRA trains in GRPO runs only; an algorithm: "
+                             f"{self.algorithm} run trains every weight")
+        if self.algorithm == "dpo" and self.data.task not in FILE_TASKS:
+            raise ValueError(f"data.task: an algorithm: dpo run trains on a preference file ({' or '.join(FILE_TASKS)} "
+                             f"with prompt, chosen and rejected columns), not on the {self.data.task!r} task")
+
+    @property
+    def max_num_steps(self) -> int:
+        """The run's steps: its algorithm section's max_num_steps."""
+        return {"grpo": self.grpo.max_num_steps, "sft": self.sft.max_num_steps,
+                "dpo": self.dpo.max_num_steps}[self.algorithm]
 
     @property
     def max_response_length(self) -> int:
