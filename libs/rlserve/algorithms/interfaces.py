@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg
+from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,15 @@ class Loss(ABC):
     # The step is cut into optimizer updates of `policy.train_global_batch_size` sequences
     # (otherwise the whole batch is one update).
     minibatched: ClassVar[bool]
+    # Sequences 2k and 2k + 1 form a pair (DPO's chosen and rejected) that a micro-batch holds whole.
+    paired: ClassVar[bool] = False
     # Set by every constructor: the reference policy's logprobs are used.
     needs_reference_logprobs: bool
     # Set by every constructor: the global normaliser counts valid tokens (True) or sequences.
     token_level: bool
 
     @abstractmethod
-    def __init__(self, cfg: LossFnCfg) -> None: ...
+    def __init__(self, cfg: LossFnCfg | DpoCfg) -> None: ...
 
     @abstractmethod
     def __call__(self, inputs: LossInputs, global_normalizer: Tensor | float) -> tuple[Tensor, dict[str, Tensor]]:

@@ -535,6 +535,11 @@ class RunSpec(Section):
         if self.algorithm == "dpo" and self.data.task not in FILE_TASKS:
             raise ValueError(f"data.task: an algorithm: dpo run trains on a preference file ({' or '.join(FILE_TASKS)} "
                              f"with prompt, chosen and rejected columns), not on the {self.data.task!r} task")
+        packing = self.policy.sequence_packing
+        if self.algorithm == "dpo" and packing.enabled and packing.train_mb_tokens < 2 * self.policy.max_total_sequence_length:
+            raise ValueError(f"policy.sequence_packing.train_mb_tokens: {packing.train_mb_tokens} must hold a DPO pair, "
+                             f"two sequences of policy.max_total_sequence_length "
+                             f"({self.policy.max_total_sequence_length})")
 
     @property
     def max_num_steps(self) -> int:

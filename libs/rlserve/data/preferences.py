@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlserve.config.spec import DataCfg, DataColumnsCfg
-from rlserve.data.files import jsonl_rows, parquet_rows, text_of, messages_of
+from rlserve.data.files import jsonl_rows, messages_of, parquet_rows, text_of
 from rlserve.data.tasks import Example
 
 
