@@ -40,6 +40,36 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def commit_state(folder: Path, state: dict, keep_last: int) -> None:
+    """Write a checkpoint's coordinator.json (atomically: its presence marks the folder complete) and
+    remove the complete checkpoints older than the newest `keep_last`."""
+    tmp = folder / ".coordinator.json.tmp"
+    tmp.write_text(json.dumps(state) + "\n")
+    tmp.replace(folder / "coordinator.json")
+    kept = sorted(p.parent for p in folder.parent.glob("step_*/coordinator.json"))
+    for old in kept[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def rewind(run: Run, reason: str, how: str, checkpoint: Ledger, step: int, version: int, since: float,
+           metrics_through: int, progress: Callable[[], None]) -> None:
+    """Take the run record back to a checkpoint (or its start) and announce what that cost (RECOVERED)."""
+    ledger, changes = run.ledger.rewind(checkpoint)
+    redone = max(0, run.step - step)
+    run.ledger, run.step, run.version = ledger, step, version
+    run.recorder.rewind(metrics_through)
+    rows = run.recorder.read("metrics.jsonl")
+    run.last_metrics = {k: v for k, v in rows[-1].items() if k != "step" and isinstance(v, float)} if rows else {}
+    run.save()
+    lost = int(changes.get(f"dropped/{RECOVERED}", 0))
+    undone = -int(changes.get("trained", 0))
+    run.emit(pb.EVENT_KIND_RECOVERED,
+             f"{reason}; {how}: {redone} steps to redo, {lost} trajectories generated after the checkpoint "
+             f"dropped ({RECOVERED}), of which {undone} had been trained",
+             {**changes, "recovery/steps_redone": float(redone), "recovery/seconds": time.monotonic() - since})
+    progress()
+
+
 def _queued_steps(saved: list[dict]) -> list[ProducedStep]:
     """The saved queue. Checkpoints written before the queue held whole steps saved a flat list of
     groups, each naming its step (and its trajectory ids, no longer kept)."""
@@ -83,12 +113,7 @@ class Checkpoints:
             "init_model": str(self.trainer.init_model), "initial_val": self.trainer.initial_val,
             "buffer": [dataclasses.asdict(s) for s in queued],
         }
-        tmp = folder / ".coordinator.json.tmp"
-        tmp.write_text(json.dumps(state) + "\n")
-        tmp.replace(folder / "coordinator.json")
-        kept = sorted(p.parent for p in (run.run_dir / "checkpoints").glob("step_*/coordinator.json"))
-        for old in kept[: -self.inputs.spec.checkpointing.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_state(folder, state, self.inputs.spec.checkpointing.keep_last)
         self.trainer.checkpoints_saved += 1
         run.emit(pb.EVENT_KIND_CHECKPOINT, f"checkpoint at step {step} (version {resp.weight_version}) in {folder}")
         return folder
@@ -128,18 +153,4 @@ class Checkpoints:
 
     def _rewind(self, reason: str, how: str, checkpoint: Ledger, step: int, version: int, since: float,
                 metrics_through: int) -> None:
-        run = self.run
-        ledger, changes = run.ledger.rewind(checkpoint)
-        redone = max(0, run.step - step)
-        run.ledger, run.step, run.version = ledger, step, version
-        run.recorder.rewind(metrics_through)
-        rows = run.recorder.read("metrics.jsonl")
-        run.last_metrics = {k: v for k, v in rows[-1].items() if k != "step" and isinstance(v, float)} if rows else {}
-        run.save()
-        lost = int(changes.get(f"dropped/{RECOVERED}", 0))
-        undone = -int(changes.get("trained", 0))
-        run.emit(pb.EVENT_KIND_RECOVERED,
-                 f"{reason}; {how}: {redone} steps to redo, {lost} trajectories generated after the checkpoint "
-                 f"dropped ({RECOVERED}), of which {undone} had been trained",
-                 {**changes, "recovery/steps_redone": float(redone), "recovery/seconds": time.monotonic() - since})
-        self.progress()
+        rewind(self.run, reason, how, checkpoint, step, version, since, metrics_through, self.progress)
