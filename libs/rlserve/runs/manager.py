@@ -13,7 +13,8 @@ A submitted run is QUEUED at once; its preflight (checks that need the model
 or the data) runs beside the queue, and a run starts only after its
 preflight passed. Run ids name folders in the runs directory, so a new id
 and a resumed one are checked alike; a run that SUCCEEDED or was CANCELLED
-is resumed only to extend it (a larger `grpo.max_num_steps`).
+is resumed only to extend it (a larger `grpo.max_num_steps`, or the max_num_steps of its algorithm's
+section).
 
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
 A run that ends has a balanced ledger: what was in flight when it failed or
@@ -145,10 +146,11 @@ class RunManager:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
 
     async def _resumed_spec(self, run_id: str, spec_yaml: str) -> RunSpec:
-        """The stored spec; with `spec_yaml`, that spec, which may differ only in grpo.max_num_steps.
+        """The stored spec; with `spec_yaml`, that spec, which may differ only in the max_num_steps of the
+        run's algorithm (grpo.max_num_steps, sft.max_num_steps, dpo.max_num_steps).
 
         A run that SUCCEEDED or was CANCELLED is resumed only when the request asks to extend it: a spec
-        whose grpo.max_num_steps is larger than the steps it did.
+        whose max_num_steps is larger than the steps it did.
         """
         run_dir = self.runs_dir / run_id
         if not (run_dir / "spec.yaml").is_file():
@@ -159,19 +161,19 @@ class RunManager:
             raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[earlier.state]}")
         stored = await self.admission.check(await asyncio.to_thread(self._load_spec,
                                                                    (run_dir / "spec.yaml").read_text()))
-        spec = stored
+        spec, key = stored, f"{stored.algorithm}.max_num_steps"
         if spec_yaml.strip():
             spec = await self.admission.check(await asyncio.to_thread(self._load_spec, spec_yaml))
             mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
-            mine["grpo"].pop("max_num_steps")
-            theirs["grpo"].pop("max_num_steps")
+            mine[stored.algorithm].pop("max_num_steps")
+            theirs[stored.algorithm].pop("max_num_steps")
             if mine != theirs:
-                raise invalid_argument("spec_yaml", "when resuming, only grpo.max_num_steps may change")
+                raise invalid_argument("spec_yaml", f"when resuming, only {key} may change")
         if earlier is not None and earlier.state in (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_CANCELLED) and (
-                not spec_yaml.strip() or spec.grpo.max_num_steps <= earlier.step):
+                not spec_yaml.strip() or spec.max_num_steps <= earlier.step):
             raise failed_precondition(
                 f"run {run_id!r} {STATE_NAMES[earlier.state]} at step {earlier.step}; to continue it, resume "
-                f"with a spec whose grpo.max_num_steps is larger than {earlier.step}")
+                f"with a spec whose {key} is larger than {earlier.step}")
         return spec
 
     async def submit(self, spec_yaml: str, run_id: str, resume: bool) -> Run:
