@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
+from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg
 
 
 @dataclass(frozen=True)
@@ -50,25 +50,48 @@ class Loss(ABC):
     # The step is cut into optimizer updates of `policy.train_global_batch_size` sequences
     # (otherwise the whole batch is one update).
     minibatched: ClassVar[bool]
+    # Sequences 2k and 2k + 1 form a pair (DPO's chosen and rejected) that a micro-batch holds whole.
+    paired: ClassVar[bool] = False
     # Set by every constructor: the reference policy's logprobs are used.
     needs_reference_logprobs: bool
     # Set by every constructor: the global normaliser counts valid tokens (True) or sequences.
     token_level: bool
 
     @abstractmethod
-    def __init__(self, cfg: LossFnCfg) -> None: ...
+    def __init__(self, cfg: LossFnCfg | DpoCfg) -> None: ...
 
     @abstractmethod
     def __call__(self, inputs: LossInputs, global_normalizer: Tensor | float) -> tuple[Tensor, dict[str, Tensor]]:
         """(this micro-batch's share of the step loss, its metric sums; see `rlserve.algorithms.metrics`)."""
 
 
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """One step's trainable groups (a group: the samples of one prompt).
+
+    rewards [G, n]; per completion token, padded to the step's longest completion [G, n, T]: mask
+    (the completion's tokens), the generator's logprobs, and the reference policy's (None unless
+    the estimator needs them; 0 where mask is False).
+    """
+
+    rewards: Tensor
+    mask: Tensor
+    gen_logprobs: Tensor
+    ref_logprobs: Tensor | None
+
+
 class AdvantageEstimator(ABC):
-    """Turns a step's rewards into per-sample advantages, built from `grpo.adv_estimator`."""
+    """Turns a step's rewards into advantages, built from `grpo.adv_estimator` (and `loss_fn`, whose KL
+    penalty an estimator may put into the reward)."""
+
+    # Advantages per token [G, n, T] (True) or one per sample [G, n] (False).
+    token_level: ClassVar[bool]
+    # Set by every constructor: the reference policy's logprobs are read.
+    needs_reference_logprobs: bool
 
     @abstractmethod
-    def __init__(self, cfg: AdvEstimatorCfg) -> None: ...
+    def __init__(self, cfg: AdvEstimatorCfg, loss_cfg: LossFnCfg) -> None: ...
 
     @abstractmethod
-    def __call__(self, rewards: Tensor) -> Tensor:
-        """Advantages [num_groups, group_size] from rewards [num_groups, group_size] (a group: one prompt)."""
+    def __call__(self, inputs: AdvantageInputs) -> Tensor:
+        """Advantages [G, n] or, for a token-level estimator, [G, n, T] (0 where the mask is False)."""

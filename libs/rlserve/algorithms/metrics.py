@@ -63,6 +63,9 @@ _STEP_VALUES = {
     "loss/kl": "kl_loss_sum",
     "batch/valid_tokens": "token_count",
     "batch/valid_sequences": "seq_count",
+    "loss/preference": "preference_loss_sum",
+    "loss/sft": "sft_loss_sum",
+    "batch/pairs": "pair_count",
 }
 # Metric name -> the sum it reports divided by token_count.
 _TOKEN_MEANS = {
@@ -86,6 +89,15 @@ _TOKEN_EXTREMES = {
 }
 
 
+# Metric name -> the sum it reports divided by pair_count (DPO).
+_PAIR_MEANS = {
+    "dpo/accuracy": "accuracy_count",
+    "dpo/reward_margin": "margin_sum",
+    "dpo/chosen_reward": "chosen_reward_sum",
+    "dpo/rejected_reward": "rejected_reward_sum",
+}
+
+
 def finalize_metrics(sums: dict[str, Tensor]) -> dict[str, float]:
     """Namespaced step metrics from the step's reduced sums (one host sync).
 
@@ -100,4 +112,7 @@ def finalize_metrics(sums: dict[str, Tensor]) -> dict[str, float]:
     if tokens > 0:
         out |= {name: values[key] / tokens for name, key in _TOKEN_MEANS.items() if key in values}
         out |= {name: values[key] for name, key in _TOKEN_EXTREMES.items() if key in values}
+    pairs = values.get("pair_count", 0.0)
+    if pairs > 0:
+        out |= {name: values[key] / pairs for name, key in _PAIR_MEANS.items() if key in values}
     return out

@@ -15,26 +15,38 @@ from rlserve.registry import Registry, import_object
 
 if TYPE_CHECKING:
     from rlserve.algorithms.interfaces import AdvantageEstimator, Loss
-    from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
+    from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg
+    from rlserve.config.spec import RunSpec
 
 LOSSES = Registry("loss", {
     "grpo": "rlserve.algorithms.losses.grpo:GrpoLoss",
+    "cispo": "rlserve.algorithms.losses.cispo:CispoLoss",
     "sft": "rlserve.algorithms.losses.sft:SftLoss",
+    "dpo": "rlserve.algorithms.losses.dpo:DpoLoss",
 })
 
-# Losses that train on reference answers, not on rewards: the SFT warm start's, never a run's RL loss.
-SUPERVISED_LOSSES = ("sft",)
+# Losses that train on data, not on rewards (the SFT warm start's, `algorithm: sft` and `dpo` runs'),
+# never a GRPO run's `loss_fn.name`.
+SUPERVISED_LOSSES = ("sft", "dpo")
+# The spec section a loss is configured by, where it is not `loss_fn`.
+LOSS_SECTIONS = {"dpo": "dpo"}
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", {
     "grpo": "rlserve.algorithms.advantages.grpo:GrpoAdvantageEstimator",
+    "reinforce_plus_plus": "rlserve.algorithms.advantages.reinforce_plus_plus:ReinforcePlusPlusAdvantageEstimator",
 })
 
 
-def make_loss(name: str, cfg: LossFnCfg) -> Loss:
-    """The loss registered as `name`, configured by the run's `loss_fn` section (ValueError if unknown)."""
+def make_loss(name: str, cfg: LossFnCfg | DpoCfg) -> Loss:
+    """The loss registered as `name`, configured by `cfg` (its section of the spec; ValueError if unknown)."""
     return import_object(LOSSES[name])(cfg)
 
 
-def advantage_estimator(cfg: AdvEstimatorCfg) -> AdvantageEstimator:
-    """The estimator `cfg.name` names, configured by `cfg` (ValueError if unknown)."""
-    return import_object(ADVANTAGE_ESTIMATORS[cfg.name])(cfg)
+def loss_for_run(name: str, spec: RunSpec) -> Loss:
+    """The loss `name` configured by its section of the run's spec (`loss_fn`, or `LOSS_SECTIONS`)."""
+    return make_loss(name, getattr(spec, LOSS_SECTIONS.get(name, "loss_fn")))
+
+
+def advantage_estimator(cfg: AdvEstimatorCfg, loss_cfg: LossFnCfg) -> AdvantageEstimator:
+    """The estimator `cfg.name` names, configured by `cfg` and the run's `loss_fn` (ValueError if unknown)."""
+    return import_object(ADVANTAGE_ESTIMATORS[cfg.name])(cfg, loss_cfg)

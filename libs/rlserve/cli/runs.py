@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watch", action="store_true", help="follow the run until it ends (exit 1 if it fails)")
     p.add_argument("--run-id", default="")
     p.add_argument("--resume", metavar="RUN_ID", help="continue RUN_ID from its last checkpoint (with SPEC: "
-                   "extend it to that spec's grpo.max_num_steps)")
+                   "extend it to that spec's grpo.max_num_steps, or sft/dpo.max_num_steps)")
     _connection_args(p)
     p.set_defaults(func=submit)
 
@@ -56,7 +56,7 @@ def _fail(err: grpc.RpcError) -> int:
 
 def submit(args: argparse.Namespace) -> int:
     if args.resume:
-        # With a spec: extend the run (only grpo.max_num_steps may differ from its stored spec).
+        # With a spec: extend the run (only its algorithm's max_num_steps may differ from its stored spec).
         spec_yaml, run_id = (args.spec.read_text() if args.spec else ""), args.resume
     else:
         if args.spec is None or not args.spec.is_file():

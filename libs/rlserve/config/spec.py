@@ -1,7 +1,9 @@
 """The run spec: one YAML document that says everything about a GRPO run.
 
 Key names follow NeMo-RL's config (`policy.*`, `grpo.*`, `loss_fn.*`,
-`data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home.
+`data.*`, `checkpointing.*`, `logger.*`) so a NeMo-RL user feels at home. The
+sections that choose and tune the algorithm (advantages, loss, reward shaping)
+live in `algorithms.py`, the base class of every section in `section.py`.
 Every default lives here, on the classes; call sites read fields and never
 pass their own fallbacks. Unknown keys are errors (see `rlserve.config.errors`).
 
@@ -14,61 +16,35 @@ of 2**70 once made every later ListRuns fail).
 from __future__ import annotations
 
 import difflib
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
+from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg, RewardShapingCfg, SftCfg
+from rlserve.config.section import (
+    MAX_EXAMPLES,
+    MAX_GENERATIONS_PER_PROMPT,
+    MAX_LORA_RANK,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_PROMPTS_PER_STEP,
+    MAX_SEED,
+    MAX_SEQUENCE_LENGTH,
+    MAX_STEPS,
+    MAX_SYSTEM_PROMPT_CHARS,
+    MAX_TRAJECTORIES_PER_STEP,
+    MAX_VAL_EXAMPLES,
+    MAX_WORKERS,
+    NAME_PATTERN,
+    Section,
+)
 from rlserve.data.tasks import TASKS
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
 
-# Upper bounds of the spec's sizes (a request cannot ask for more).
-MAX_STEPS = 1_000_000
-MAX_PROMPTS_PER_STEP = 4096
-MAX_GENERATIONS_PER_PROMPT = 1024
-MAX_TRAJECTORIES_PER_STEP = 65_536
-MAX_SEQUENCE_LENGTH = 131_072
-MAX_EXAMPLES = 1_000_000
-MAX_VAL_EXAMPLES = 100_000
-MAX_SEED = 2**31 - 1
-MAX_WORKERS = 1024
-MAX_LORA_RANK = 1024
-MAX_NAME_CHARS = 64
-MAX_PATH_CHARS = 4096
-MAX_SYSTEM_PROMPT_CHARS = 65_536
-# Run names become folder names: letters, digits, '-', '_', '.', not starting with '.'.
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-
-
-def _takes_bool(annotation: Any) -> bool:
-    return annotation is bool or any(_takes_bool(a) for a in get_args(annotation))
-
-
-def _takes_number(annotation: Any) -> bool:
-    return annotation in (int, float) or any(_takes_number(a) for a in get_args(annotation))
-
-
-class Section(BaseModel):
-    """Base of every spec section: unknown keys are errors, values are checked on assignment, floats finite,
-    and a number field never takes true/false (pydantic would read `max_num_steps: true` as 1)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key, value in data.items():
-                field = cls.model_fields.get(key) if isinstance(key, str) else None
-                if isinstance(value, bool) and field is not None and _takes_number(field.annotation) \
-                        and not _takes_bool(field.annotation):
-                    raise ValueError(f"{key}: a number, not {str(value).lower()}")
-        return data
 
 
 class AdamWKwargs(Section):
@@ -305,16 +281,6 @@ class AsyncGrpoCfg(Section):
     prompts_per_request: int = Field(8, ge=1, le=MAX_PROMPTS_PER_STEP)
 
 
-class AdvEstimatorCfg(Section):
-    """How rewards become advantages (`rlserve.algorithms.advantages`); NeMo-RL's AdvEstimatorConfig."""
-
-    name: Literal[ADVANTAGE_ESTIMATORS.names] = "grpo"
-    # Divide by the group's reward std.
-    normalize_rewards: bool = True
-    # RLOO's baseline: the mean of the group's other samples.
-    use_leave_one_out_baseline: bool = False
-
-
 # grpo.* keys of earlier specs, now under grpo.adv_estimator.
 LEGACY_ADV_ESTIMATOR_KEYS = ("normalize_rewards", "use_leave_one_out_baseline")
 
@@ -326,6 +292,14 @@ class GrpoCfg(Section):
     adv_estimator: AdvEstimatorCfg = AdvEstimatorCfg()
     # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
     skip_zero_advantage_groups: bool = True
+    # DAPO's dynamic sampling (`grpo/producer.py`): the producer drops groups whose task rewards are
+    # all equal and generates more prompts, batch_multiplier x num_prompts_per_step at a time, until
+    # the step has num_prompts_per_step groups that carry signal, at most
+    # dynamic_sampling_max_gen_batches batches (then the step trains what it has, with a WARNING).
+    use_dynamic_sampling: bool = False
+    batch_multiplier: float = Field(1.0, ge=1, le=64)
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1, le=1000)
+    reward_shaping: RewardShapingCfg = RewardShapingCfg()
     val_period: int = Field(10, ge=0, le=MAX_STEPS)
     val_at_start: bool = True
     max_val_samples: int = Field(128, ge=1, le=MAX_VAL_EXAMPLES)
@@ -352,59 +326,16 @@ class GrpoCfg(Section):
         return {**rest, "adv_estimator": {**estimator, **moved}}
 
     @property
+    def gen_batch_prompts(self) -> int:
+        """Prompts per generation batch: a step's one batch, or each of dynamic sampling's."""
+        if not self.use_dynamic_sampling:
+            return self.num_prompts_per_step
+        return int(self.batch_multiplier * self.num_prompts_per_step)
+
+    @property
     def max_age(self) -> int:
         """The staleness bound actually in force (0 when async is off)."""
         return self.async_grpo.max_trajectory_age_steps if self.async_grpo.enabled else 0
-
-
-class SftCfg(Section):
-    """Supervised warm start on the task's reference answers before GRPO."""
-
-    enabled: bool = False
-    max_num_steps: int = Field(300, ge=1, le=MAX_STEPS)
-    batch_size: int = Field(64, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
-    lr: float = Field(1e-3, gt=0, le=1.0)
-    val_period: int = Field(25, ge=1, le=MAX_STEPS)
-    # Stop early once the held-out reward reaches this (None: run all steps).
-    stop_at_val_reward: float | None = Field(0.25, ge=0)
-
-
-class LossFnCfg(Section):
-    # The loss of the GRPO steps (`rlserve.algorithms.registry`); the SFT warm start always uses "sft".
-    name: Literal[tuple(n for n in LOSSES.names if n not in SUPERVISED_LOSSES)] = "grpo"
-    reference_policy_kl_penalty: float = Field(0.0, ge=0)
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    kl_input_clamp_value: float | None = Field(20.0, gt=0)
-    kl_output_clamp_value: float | None = Field(10.0, gt=0)
-    ratio_clip_min: float = Field(0.2, ge=0, lt=1)
-    ratio_clip_max: float = Field(0.2, ge=0, le=100)
-    # Dual-clip constant c > 1 (Ye et al. 2020); None disables it.
-    ratio_clip_c: float | None = Field(None, gt=1)
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
-    # Truncation of the generator->learner importance weight; None: no truncation.
-    truncated_importance_sampling_ratio: float | None = Field(2.0, gt=0)
-    truncated_importance_sampling_type: Literal["tis", "icepop"] = "tis"
-    # icepop masks tokens whose weight leaves [ratio_min, ratio]; ratio_min None means 1/ratio.
-    truncated_importance_sampling_ratio_min: float | None = Field(None, gt=0)
-    # GSPO (Zheng et al. 2025): one ratio and one importance weight per sequence (geometric mean
-    # over its tokens), for both the PPO ratio and the generator correction.
-    sequence_level_importance_ratios: bool = False
-    token_level_loss: bool = True
-
-    @model_validator(mode="after")
-    def _consistent(self) -> LossFnCfg:
-        if self.sequence_level_importance_ratios and self.token_level_loss:
-            raise ValueError("loss_fn.sequence_level_importance_ratios: sequence-level ratios need "
-                             "loss_fn.token_level_loss: false (as in NeMo-RL)")
-        lo, hi = self.truncated_importance_sampling_ratio_min, self.truncated_importance_sampling_ratio
-        if lo is not None:
-            if self.truncated_importance_sampling_type != "icepop":
-                raise ValueError("loss_fn.truncated_importance_sampling_ratio_min: only used by the icepop type")
-            if hi is not None and lo > hi:
-                raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min: {lo} is above "
-                                 f"truncated_importance_sampling_ratio {hi}")
-        return self
 
 
 class DataColumnsCfg(Section):
@@ -414,6 +345,9 @@ class DataColumnsCfg(Section):
     messages: str = Field("messages", min_length=1, max_length=MAX_NAME_CHARS)
     answer: str = Field("answer", min_length=1, max_length=MAX_NAME_CHARS)
     metadata: str = Field("metadata", min_length=1, max_length=MAX_NAME_CHARS)
+    # Preference files (algorithm: dpo): the preferred and the dispreferred response.
+    chosen: str = Field("chosen", min_length=1, max_length=MAX_NAME_CHARS)
+    rejected: str = Field("rejected", min_length=1, max_length=MAX_NAME_CHARS)
 
 
 # data.task values that read train_path/val_path instead of generating examples.
@@ -527,12 +461,19 @@ class ClusterCfg(Section):
     torch_threads: int = Field(1, ge=1, le=1024)
 
 
+# What a run trains: GRPO's loop (`rlserve.grpo`), or supervised fine-tuning or DPO on a data file
+# (`rlserve.supervised`), through the same learner, checkpoints, export and run API.
+ALGORITHMS = ("grpo", "sft", "dpo")
+
+
 class RunSpec(Section):
     # Part of the run id and of its folder's name.
     name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
+    algorithm: Literal[ALGORITHMS] = "grpo"
     policy: PolicyCfg = PolicyCfg()
     grpo: GrpoCfg = GrpoCfg()
     sft: SftCfg = SftCfg()
+    dpo: DpoCfg = DpoCfg()
     loss_fn: LossFnCfg = LossFnCfg()
     data: DataCfg = DataCfg()
     reward: RewardCfg = RewardCfg()
@@ -548,6 +489,18 @@ class RunSpec(Section):
                 f"grpo.num_generations_per_prompt: {self.grpo.num_prompts_per_step} prompts x "
                 f"{self.grpo.num_generations_per_prompt} generations exceed {MAX_TRAJECTORIES_PER_STEP} "
                 f"trajectories per step")
+        if self.grpo.gen_batch_prompts * self.grpo.num_generations_per_prompt > MAX_TRAJECTORIES_PER_STEP:
+            raise ValueError(
+                f"grpo.batch_multiplier: generation batches of {self.grpo.gen_batch_prompts} prompts x "
+                f"{self.grpo.num_generations_per_prompt} generations exceed {MAX_TRAJECTORIES_PER_STEP} trajectories")
+        shaping = self.grpo.reward_shaping
+        if shaping.enabled and shaping.overlong_buffer_length > self.max_response_length:
+            raise ValueError(
+                f"grpo.reward_shaping.overlong_buffer_length: {shaping.overlong_buffer_length} exceeds the "
+                f"response length it ends at ({self.max_response_length}: grpo.reward_shaping.max_response_length "
+                f"or policy.generation.max_new_tokens)")
+        self._check_kl_in_reward()
+        self._check_run_type()
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(
                 f"policy.generation.max_new_tokens: {gen.max_new_tokens} must be below "
@@ -564,13 +517,57 @@ class RunSpec(Section):
                 f"({self.cluster.num_workers})")
         return self
 
+    def _check_kl_in_reward(self) -> None:
+        if self.loss_fn.use_kl_in_reward and self.grpo.adv_estimator.name != "reinforce_plus_plus":
+            raise ValueError(f"loss_fn.use_kl_in_reward: only the reinforce_plus_plus estimator puts the KL in "
+                             f"the reward (grpo.adv_estimator.name is {self.grpo.adv_estimator.name!r})")
+
+    def _check_run_type(self) -> None:
+        if self.algorithm == "grpo":
+            return
+        if self.sft.enabled:
+            raise ValueError(f"sft.enabled: the SFT warm start comes before GRPO; an algorithm: {self.algorithm} run "
+                             f"trains from policy.model_name itself" + (" with the sft section's settings"
+                                                                        if self.algorithm == "sft" else ""))
+        if self.policy.lora.enabled:
+            raise ValueError(f"{self.policy.lora_key}.enabled: LoRA trains in GRPO runs only; an algorithm: "
+                             f"{self.algorithm} run trains every weight")
+        if self.algorithm == "dpo" and self.data.task not in FILE_TASKS:
+            raise ValueError(f"data.task: an algorithm: dpo run trains on a preference file ({' or '.join(FILE_TASKS)} "
+                             f"with prompt, chosen and rejected columns), not on the {self.data.task!r} task")
+        packing = self.policy.sequence_packing
+        if self.algorithm == "dpo" and packing.enabled and packing.train_mb_tokens < 2 * self.policy.max_total_sequence_length:
+            raise ValueError(f"policy.sequence_packing.train_mb_tokens: {packing.train_mb_tokens} must hold a DPO pair, "
+                             f"two sequences of policy.max_total_sequence_length "
+                             f"({self.policy.max_total_sequence_length})")
+
+    @property
+    def max_num_steps(self) -> int:
+        """The run's steps: its algorithm section's max_num_steps."""
+        return {"grpo": self.grpo.max_num_steps, "sft": self.sft.max_num_steps,
+                "dpo": self.dpo.max_num_steps}[self.algorithm]
+
+    @property
+    def max_response_length(self) -> int:
+        """Where DAPO's overlong penalty reaches its full weight."""
+        return self.grpo.reward_shaping.max_response_length or self.policy.generation.max_new_tokens
+
     @property
     def batch_size(self) -> int:
         """Trajectories per GRPO step."""
         return self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
 
     @property
+    def reference_to_learner(self) -> bool:
+        """The loss's KL term needs reference logprobs, and the reference service computes them: a LoRA
+        run's learner computes them itself with its adapters off (its reference is the base model)."""
+        return (self.loss_fn.reference_policy_kl_penalty > 0 and not self.loss_fn.use_kl_in_reward
+                and not self.policy.lora.enabled)
+
+    @property
     def reference_from_service(self) -> bool:
-        """The KL term needs reference logprobs, and the reference service computes them: a LoRA run's
-        learner computes them itself with its adapters off (its reference is the base model)."""
-        return self.loss_fn.reference_policy_kl_penalty > 0 and not self.policy.lora.enabled
+        """The coordinator asks the reference service for every step's logprobs: for the learner's KL term,
+        or for a KL in the reward (REINFORCE++), which the coordinator computes (in a LoRA run too, from
+        the base model the run starts from)."""
+        kl_in_reward = self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0
+        return self.reference_to_learner or kl_in_reward

@@ -1,6 +1,8 @@
 """User data sets as JSON lines or Parquet, in rlserve's row shape or a `datasets`-style one.
 
-A row is `{prompt, answer}` or `{messages: [{role, content}, ...], answer}`, with
+A row is `{prompt, answer}` or `{messages: [{role, content}, ...], answer}`, or a
+chat conversation that ends with the assistant's turn (`{messages: [..., {role:
+assistant, content}]}`: that turn is the answer, as in chat SFT files), with
 optional `metadata`. `data.columns` names the file's own columns for these fields
 (`{prompt: question, answer: final_answer}` for a GSM8K-style file), so files
 exported from HF `datasets` load as they are; their other columns are kept in
@@ -19,7 +21,7 @@ from rlserve.config.spec import DataCfg, DataColumnsCfg
 from rlserve.data.tasks import Example
 
 
-def _text(value: Any, where: str, column: str) -> str:
+def text_of(value: Any, where: str, column: str) -> str:
     """Answers may be numbers in `datasets` files (an int64 column); prompts and contents are text."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
@@ -28,7 +30,8 @@ def _text(value: Any, where: str, column: str) -> str:
     return value
 
 
-def _messages(value: Any, where: str, column: str) -> tuple[dict[str, str], ...]:
+def messages_of(value: Any, where: str, column: str, answered: bool = False) -> tuple[dict[str, str], ...]:
+    """A conversation; `answered`: it may end with the assistant's turn (then the row's answer)."""
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: column {column!r} must be a non-empty list of {{role, content}} objects")
     out = []
@@ -36,9 +39,10 @@ def _messages(value: Any, where: str, column: str) -> tuple[dict[str, str], ...]
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: {column}[{i}] must be an object with string 'role' and 'content'")
         out.append({"role": m["role"], "content": m["content"]})
-    if out[-1]["role"] == "assistant":
-        raise ValueError(f"{where}: {column} ends with an assistant message; the conversation must end where "
-                         f"the policy answers, and the reference answer goes in the answer column")
+    if out[-1]["role"] == "assistant" and not answered:
+        raise ValueError(f"{where}: {column} ends with an assistant message and the row has an answer column too; "
+                         f"the conversation must end where the policy answers, with the reference answer either "
+                         f"in the answer column or as the final assistant message")
     return tuple(out)
 
 
@@ -52,19 +56,27 @@ def example_from_row(row: Any, where: str, columns: DataColumnsCfg, chat: bool) 
         raise ValueError(f"{where}: a row needs exactly one of the columns {columns.prompt!r} (prompt text) and "
                          f"{columns.messages!r} (chat messages), found {what} (columns: {', '.join(map(str, row))}; "
                          f"map yours with data.columns)")
-    if row.get(columns.answer) is None:
+    conversation = row.get(columns.messages)
+    # A conversation that ends with the assistant's turn carries its answer (chat SFT files).
+    answered = row.get(columns.answer) is None and isinstance(conversation, list) and bool(conversation) \
+        and isinstance(conversation[-1], dict) and conversation[-1].get("role") == "assistant"
+    if row.get(columns.answer) is None and not answered:
         raise ValueError(f"{where}: missing answer column {columns.answer!r} (columns: {', '.join(map(str, row))}; "
-                         f"map yours with data.columns)")
-    answer = _text(row[columns.answer], where, columns.answer)
+                         f"map yours with data.columns), and no final assistant message to take it from")
+    answer = "" if answered else text_of(row[columns.answer], where, columns.answer)
     messages = None
     if has_prompt:
-        prompt = _text(row[columns.prompt], where, columns.prompt)
+        prompt = text_of(row[columns.prompt], where, columns.prompt)
         if not prompt:
             raise ValueError(f"{where}: column {columns.prompt!r} is empty")
     elif not chat:
         raise ValueError(f"{where}: a row with chat messages ({columns.messages!r}) needs data.prompt_format: chat")
     else:
-        messages = _messages(row[columns.messages], where, columns.messages)
+        messages = messages_of(row[columns.messages], where, columns.messages, answered)
+        if answered:
+            messages, answer = messages[:-1], messages[-1]["content"]
+            if not messages:
+                raise ValueError(f"{where}: {columns.messages} holds only an assistant message; nothing prompts it")
         users = [m["content"] for m in messages if m["role"] == "user"]
         prompt = users[-1] if users else messages[-1]["content"]
     metadata = row.get(columns.metadata) or {}
@@ -80,7 +92,7 @@ def example_from_row(row: Any, where: str, columns: DataColumnsCfg, chat: bool) 
     return Example(prompt, answer, {**extra, **metadata}, messages)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open() as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -91,7 +103,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
 
 
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
@@ -109,7 +121,7 @@ def load_examples(path: str | Path, cfg: DataCfg) -> list[Example]:
         raise ValueError(f"{path}: no such file")
     if fmt == "jsonl" and path.suffix == ".parquet":
         raise ValueError(f"{path}: a Parquet file; set data.task: parquet")
-    rows = {"jsonl": _jsonl_rows, "parquet": _parquet_rows}[fmt](path)
+    rows = {"jsonl": jsonl_rows, "parquet": parquet_rows}[fmt](path)
     examples = [example_from_row(row, where, cfg.columns, cfg.prompt_format == "chat") for where, row in rows]
     if not examples:
         raise ValueError(f"{path}: no examples")

@@ -95,3 +95,29 @@ class PromptTokenizer:
                 if ends:
                     return prompt + tail[:ends[0] + 1], len(prompt)
         return prompt + self.encode(ex.answer) + [self.eos_ids[0]], len(prompt)
+
+    def sft_tokens(self, ex: Example) -> tuple[list[int], list[bool]]:
+        """The conversation through its answer (`sft_ids`), and which of its tokens SFT trains on: the assistant's.
+
+        Raw format, or a chat row without earlier turns: the answer and its end token. Chat rows
+        whose `messages` hold earlier assistant turns train on those too, each from where the
+        template starts the turn to the first EOS id after it, found by rendering the conversation
+        turn by turn. A turn the template does not render as a prefix of the conversation (one that
+        drops earlier turns' reasoning, say) is left untrained.
+        """
+        ids, prompt_len = self.sft_ids(ex)
+        mask = [False] * prompt_len + [True] * (len(ids) - prompt_len)
+        if self.prompt_format != "chat" or ex.messages is None:
+            return ids, mask
+        messages = self.messages(ex)
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = self._render(messages[:k], add_generation_prompt=True)
+            through = self._render(messages[:k + 1], add_generation_prompt=False)
+            tail = through[len(start):]
+            ends = [i for i, t in enumerate(tail) if t in self.eos_ids]
+            end = len(start) + (ends[0] + 1 if ends else len(tail))
+            if through[:len(start)] == start and ids[:end] == through[:end]:
+                mask[len(start):end] = [True] * (end - len(start))
+        return ids, mask

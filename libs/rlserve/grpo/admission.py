@@ -23,6 +23,7 @@ from jinja2 import TemplateError
 
 from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
+from rlserve.data.preferences import build_preference_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.grpo.retry import RetryPolicy
 from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
@@ -144,7 +145,10 @@ class GrpoAdmission(Admission):
             model = await asyncio.to_thread(resolve_model, spec.policy.model_name, spec.policy.model_seed)
         except ValueError as err:
             raise invalid_argument("policy.model_name", str(err).removeprefix("policy.model_name: ")) from None
-        await self._check_prompt_lengths(spec, model)
+        if spec.algorithm == "dpo":
+            await self._check_preference_data(spec, model)
+        else:
+            await self._check_prompt_lengths(spec, model)
         services = self.connect(spec.reward.endpoint, RetryPolicy(retries=1, timeout_s=60))
         try:
             info = await services.rollout_info()
@@ -161,6 +165,24 @@ class GrpoAdmission(Admission):
             raise failed_precondition(f"reward.functions or services: {err}") from None
         finally:
             await services.close()
+
+    @staticmethod
+    async def _check_preference_data(spec: RunSpec, model: Path) -> None:
+        """An algorithm: dpo run's file: every row a preference pair, a sample of them renderable."""
+        try:
+            splits = await asyncio.to_thread(build_preference_splits, spec.data)
+        except ValueError as err:
+            raise invalid_argument("data", str(err)) from None
+        try:
+            tok = PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
+        except ValueError as err:
+            raise failed_precondition(str(err)) from None
+        sample = [*splits.train[:PREFLIGHT_SAMPLE], *splits.val]
+        try:
+            await asyncio.to_thread(lambda: [tok.sft_ids(p.example(r)) for p in sample for r in (p.chosen, p.rejected)])
+        except TemplateError as err:
+            raise invalid_argument("data.prompt_format", f"the model's chat template fails on this data: "
+                                   f"{type(err).__name__}: {err}") from None
 
     @staticmethod
     async def _check_prompt_lengths(spec: RunSpec, model: Path) -> None:

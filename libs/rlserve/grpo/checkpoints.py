@@ -4,10 +4,10 @@ The loop's part (step, version, data cursor, ledger, queued steps, reward
 version, initial policy) is written last, so a checkpoint folder without
 coordinator.json is incomplete and never resumed from. Queued steps are
 saved, so a resume loses no trajectory that was counted as generated. The
-data cursor is that of the first step not in the checkpoint
-(`produced_steps * num_prompts_per_step`), never the position of a
-generation still in progress, so a resumed run trains exactly the prompts an
-uninterrupted one would.
+data cursor is that of the first step not in the checkpoint (where the last
+committed step's prompts end), never the position of a generation still in
+progress, so a resumed run trains exactly the prompts an uninterrupted one
+would.
 
 Restoring commits everything at once, after the learner has loaded: until
 then GetRun shows the run as it was, afterwards as the checkpoint left it.
@@ -40,6 +40,36 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def commit_state(folder: Path, state: dict, keep_last: int) -> None:
+    """Write a checkpoint's coordinator.json (atomically: its presence marks the folder complete) and
+    remove the complete checkpoints older than the newest `keep_last`."""
+    tmp = folder / ".coordinator.json.tmp"
+    tmp.write_text(json.dumps(state) + "\n")
+    tmp.replace(folder / "coordinator.json")
+    kept = sorted(p.parent for p in folder.parent.glob("step_*/coordinator.json"))
+    for old in kept[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def rewind(run: Run, reason: str, how: str, checkpoint: Ledger, step: int, version: int, since: float,
+           metrics_through: int, progress: Callable[[], None]) -> None:
+    """Take the run record back to a checkpoint (or its start) and announce what that cost (RECOVERED)."""
+    ledger, changes = run.ledger.rewind(checkpoint)
+    redone = max(0, run.step - step)
+    run.ledger, run.step, run.version = ledger, step, version
+    run.recorder.rewind(metrics_through)
+    rows = run.recorder.read("metrics.jsonl")
+    run.last_metrics = {k: v for k, v in rows[-1].items() if k != "step" and isinstance(v, float)} if rows else {}
+    run.save()
+    lost = int(changes.get(f"dropped/{RECOVERED}", 0))
+    undone = -int(changes.get("trained", 0))
+    run.emit(pb.EVENT_KIND_RECOVERED,
+             f"{reason}; {how}: {redone} steps to redo, {lost} trajectories generated after the checkpoint "
+             f"dropped ({RECOVERED}), of which {undone} had been trained",
+             {**changes, "recovery/steps_redone": float(redone), "recovery/seconds": time.monotonic() - since})
+    progress()
+
+
 def _queued_steps(saved: list[dict]) -> list[ProducedStep]:
     """The saved queue. Checkpoints written before the queue held whole steps saved a flat list of
     groups, each naming its step (and its trajectory ids, no longer kept)."""
@@ -49,8 +79,12 @@ def _queued_steps(saved: list[dict]) -> list[ProducedStep]:
             step = g.pop("step")
             g.pop("ids", None)
             by_step.setdefault(step, []).append(Group(**g))
-        return [ProducedStep(step, groups) for step, groups in sorted(by_step.items())]
-    return [ProducedStep(s["step"], [Group(**g) for g in s["groups"]], s["metrics"]) for s in saved]
+        return [ProducedStep(step, groups, {}, min(g.prompt_index for g in groups))
+                for step, groups in sorted(by_step.items())]
+    # Steps saved before they recorded their data cursor start at their first group's prompt.
+    return [ProducedStep(s["step"], [Group(**g) for g in s["groups"]], s["metrics"],
+                         s.get("data_cursor", min((g["prompt_index"] for g in s["groups"]), default=0)))
+            for s in saved]
 
 
 class Checkpoints:
@@ -74,17 +108,12 @@ class Checkpoints:
                                f"{sum(s.size for s in queued)} queued")
         state = {
             "step": step, "weight_version": resp.weight_version, "produced_steps": self.producer.produced_steps,
-            "data_cursor": self.producer.produced_steps * self.inputs.spec.grpo.num_prompts_per_step,
+            "data_cursor": self.producer.data_cursor,
             "ledger": run.ledger.to_dict(), "reward_version": self.producer.reward_version,
             "init_model": str(self.trainer.init_model), "initial_val": self.trainer.initial_val,
             "buffer": [dataclasses.asdict(s) for s in queued],
         }
-        tmp = folder / ".coordinator.json.tmp"
-        tmp.write_text(json.dumps(state) + "\n")
-        tmp.replace(folder / "coordinator.json")
-        kept = sorted(p.parent for p in (run.run_dir / "checkpoints").glob("step_*/coordinator.json"))
-        for old in kept[: -self.inputs.spec.checkpointing.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_state(folder, state, self.inputs.spec.checkpointing.keep_last)
         self.trainer.checkpoints_saved += 1
         run.emit(pb.EVENT_KIND_CHECKPOINT, f"checkpoint at step {step} (version {resp.weight_version}) in {folder}")
         return folder
@@ -108,6 +137,7 @@ class Checkpoints:
         self.trainer.step = state["step"]
         self.producer.produced_steps = state["produced_steps"]
         self.producer.sampler.seek(state["data_cursor"])
+        self.producer.data_cursor = state["data_cursor"]
         self.producer.reward_version = state["reward_version"]
         self.queue.load(queued, state["step"])
         self._rewind(reason, f"continued from {folder.name} (version {loaded.weight_version}, "
@@ -123,18 +153,4 @@ class Checkpoints:
 
     def _rewind(self, reason: str, how: str, checkpoint: Ledger, step: int, version: int, since: float,
                 metrics_through: int) -> None:
-        run = self.run
-        ledger, changes = run.ledger.rewind(checkpoint)
-        redone = max(0, run.step - step)
-        run.ledger, run.step, run.version = ledger, step, version
-        run.recorder.rewind(metrics_through)
-        rows = run.recorder.read("metrics.jsonl")
-        run.last_metrics = {k: v for k, v in rows[-1].items() if k != "step" and isinstance(v, float)} if rows else {}
-        run.save()
-        lost = int(changes.get(f"dropped/{RECOVERED}", 0))
-        undone = -int(changes.get("trained", 0))
-        run.emit(pb.EVENT_KIND_RECOVERED,
-                 f"{reason}; {how}: {redone} steps to redo, {lost} trajectories generated after the checkpoint "
-                 f"dropped ({RECOVERED}), of which {undone} had been trained",
-                 {**changes, "recovery/steps_redone": float(redone), "recovery/seconds": time.monotonic() - since})
-        self.progress()
+        rewind(self.run, reason, how, checkpoint, step, version, since, metrics_through, self.progress)

@@ -46,8 +46,11 @@ class ProducedStep:
 
     step: int
     groups: list[Group]
-    # timing/* and plumbing/* seconds of generating, scoring and reference-scoring them.
+    # timing/* and plumbing/* seconds of generating, scoring and reference-scoring them (and
+    # dynamic_sampling/* with DAPO's dynamic sampling).
     metrics: dict[str, float] = field(default_factory=dict)
+    # The data cursor at the step's first prompt.
+    data_cursor: int = 0
 
     @property
     def size(self) -> int:

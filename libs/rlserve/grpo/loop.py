@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 
 from rlserve.data.dataset import PromptSampler
 from rlserve.grpo.checkpoints import Checkpoints, step_dir
@@ -35,27 +36,27 @@ from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
 
 
-class GrpoAttempt:
+class Attempt(ABC):
+    """One attempt of a run (GRPO's here, `algorithm: sft`/`dpo`'s in `rlserve.supervised`): its main task
+    under a watchdog that fails a run making no progress rather than let it hang silently."""
+
     def __init__(self, inputs: RunInputs, run: Run, services: RunServices, settings: LoopSettings,
                  recovering_since: float | None = None):
-        spec = inputs.spec
         self.inputs, self.run, self.services, self.settings = inputs, run, services, settings
         # When this attempt follows a loss of state: since when (monotonic), for the RECOVERED event.
         self.recovering_since = recovering_since
         self.last_progress = time.monotonic()
-        self.producer_state = ProducerState(PromptSampler(list(inputs.train), spec.data.seed))
         self.trainer_state = TrainerState(init_model=inputs.model_path)
-        self.queue = StepQueue(StalenessBound(spec.grpo.max_age))
-        self.sync = WeightSync(inputs, run, services, settings.weight_store, self.progress)
-        self.validator = Validator(inputs, run, services, self.trainer_state, self.progress)
-        self.checkpoints = Checkpoints(inputs, run, services, self.producer_state, self.trainer_state, self.queue,
-                                       self.progress)
+
+    @abstractmethod
+    async def _main(self, resume_reason: str, tasks: list[asyncio.Task]) -> None:
+        """Set up (or restore), train every step, finish; tasks it starts go into `tasks` (cancelled with it)."""
 
     def progress(self) -> None:
         self.last_progress = time.monotonic()
 
     async def run_attempt(self, resume_reason: str) -> None:
-        """Set up (or restore), run producer and trainer under the watchdog, finish."""
+        """Set up (or restore), run the steps under the watchdog, finish."""
         tasks: list[asyncio.Task] = []
         try:
             dog = asyncio.create_task(self._watchdog())
@@ -68,6 +69,32 @@ class GrpoAttempt:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watchdog(self) -> None:
+        """Fail a run that makes no progress, rather than let it hang silently."""
+        limit = self.settings.watchdog_timeout_s
+        while True:
+            await asyncio.sleep(min(10.0, limit / 4))
+            idle = time.monotonic() - self.last_progress
+            if idle > limit:
+                pending = self.services.oldest_pending()
+                waiting = f"waiting on {pending[0]} for {pending[1]:.0f}s; " if pending else ""
+                raise RuntimeError(f"watchdog: no progress for {idle:.0f}s (limit {limit:.0f}s) at step "
+                                   f"{self.trainer_state.step}; {waiting}last event: "
+                                   f"{self.run.events[-1].message if self.run.events else '-'}")
+
+
+class GrpoAttempt(Attempt):
+    def __init__(self, inputs: RunInputs, run: Run, services: RunServices, settings: LoopSettings,
+                 recovering_since: float | None = None):
+        super().__init__(inputs, run, services, settings, recovering_since)
+        spec = inputs.spec
+        self.producer_state = ProducerState(PromptSampler(list(inputs.train), spec.data.seed))
+        self.queue = StepQueue(StalenessBound(spec.grpo.max_age))
+        self.sync = WeightSync(inputs, run, services, settings.weight_store, self.progress)
+        self.validator = Validator(inputs, run, services, self.trainer_state, self.progress)
+        self.checkpoints = Checkpoints(inputs, run, services, self.producer_state, self.trainer_state, self.queue,
+                                       self.progress)
 
     async def _main(self, resume_reason: str, tasks: list[asyncio.Task]) -> None:
         await self._setup(resume_reason)
@@ -130,16 +157,3 @@ class GrpoAttempt:
             summary += (f"; held-out reward: before {self.trainer_state.initial_val:.2f} after "
                         f"{run.last_metrics['val/reward']:.2f}")
         run.emit(pb.EVENT_KIND_INFO, summary)
-
-    async def _watchdog(self) -> None:
-        """Fail a run that makes no progress, rather than let it hang silently."""
-        limit = self.settings.watchdog_timeout_s
-        while True:
-            await asyncio.sleep(min(10.0, limit / 4))
-            idle = time.monotonic() - self.last_progress
-            if idle > limit:
-                pending = self.services.oldest_pending()
-                waiting = f"waiting on {pending[0]} for {pending[1]:.0f}s; " if pending else ""
-                raise RuntimeError(f"watchdog: no progress for {idle:.0f}s (limit {limit:.0f}s) at step "
-                                   f"{self.trainer_state.step}; {waiting}last event: "
-                                   f"{self.run.events[-1].message if self.run.events else '-'}")

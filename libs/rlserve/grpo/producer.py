@@ -11,21 +11,57 @@ Streaming (`grpo.async_grpo.streaming`) sends small requests
 scores each as soon as its samples finish, and starts step k + 1's prompts
 while step k's last groups still generate. Steps are still committed whole
 and in order, so checkpoints and the data cursor stay per step.
+
+Dynamic sampling (DAPO, Yu et al. 2025, arXiv:2503.14476; NeMo-RL's
+`grpo.use_dynamic_sampling`): a step generates batches of
+`batch_multiplier x num_prompts_per_step` prompts until it holds
+`num_prompts_per_step` groups whose task rewards differ, at most
+`dynamic_sampling_max_gen_batches` batches. Groups whose rewards are all
+equal are dropped as `dynamic_sampling`, groups beyond the step's
+`num_prompts_per_step` as `dynamic_sampling_surplus` (both counted in the
+ledger when the step is committed); a step that reaches the bound short of
+its batch trains what it has, with a WARNING. Each batch is generated under
+the newest weights (and streamed, when streaming), and its groups are tagged
+with their own versions, so the staleness bound holds for refills as for the
+first batch. A step takes its prompts in order, so the next step starts once
+this one has its batch (generation still overlaps training).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from rlserve.algorithms.dynamic_sampling import zero_variance_groups
 from rlserve.data.tasks import Example
-from rlserve.grpo.groups import ProducedStep, StepQueue
+from rlserve.grpo.groups import Group, ProducedStep, StepQueue
 from rlserve.grpo.rollouts import BatchTimings, rollout_groups
 from rlserve.grpo.services import RunServices
 from rlserve.grpo.state import ProducerState, RunInputs
 from rlserve.runs.record import Run
 from rlserve.v1 import coordinator_pb2 as pb
+
+# Ledger reasons of dynamic sampling's drops.
+FILTERED = "dynamic_sampling"
+SURPLUS = "dynamic_sampling_surplus"
+
+
+@dataclass
+class StepRollouts:
+    """A step's groups before it is committed: those it trains, and those dynamic sampling drops."""
+
+    step: int
+    first: int  # the data cursor at its first prompt
+    end: int  # and after its last
+    groups: list[Group] = field(default_factory=list)
+    reward_version: str = ""
+    timings: BatchTimings = field(default_factory=BatchTimings)
+    drops: dict[str, list[Group]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Producer:
@@ -35,63 +71,126 @@ class Producer:
         self.state, self.queue = state, queue
         self.reference_model = reference_model
         self.progress = progress
+        streaming = inputs.spec.grpo.async_grpo
+        self.limit = asyncio.Semaphore(max(1, streaming.max_prompts_in_flight // streaming.prompts_per_request))
 
     async def run_steps(self) -> None:
         """Produce every step up to grpo.max_num_steps (returns when the last one is committed)."""
-        if self.inputs.spec.grpo.async_grpo.streaming:
+        grpo = self.inputs.spec.grpo
+        if grpo.async_grpo.streaming and not grpo.use_dynamic_sampling:
             await self._stream()
             return
-        spec = self.inputs.spec
-        while self.state.produced_steps < spec.grpo.max_num_steps:
+        while self.state.produced_steps < grpo.max_num_steps:
             step = self.state.produced_steps
             await self.queue.wait_turn(step)
+            if grpo.use_dynamic_sampling:
+                self._commit(await self._sample_dynamically(step))
+                continue
             first = self.state.sampler.position
-            examples = self.state.sampler.take(spec.grpo.num_prompts_per_step)
-            groups, reward_version, timings = await rollout_groups(
-                self.services, self.inputs, examples, first, step, self.run.version, self.reference_model)
-            self._commit(ProducedStep(step, groups, timings.metrics()), reward_version, timings)
+            examples = self.state.sampler.take(grpo.num_prompts_per_step)
+            groups, reward_version, timings = await self._generate(examples, first, step, 0)
+            self._commit(StepRollouts(step, first, self.state.sampler.position, groups, reward_version, timings))
 
-    def _commit(self, produced: ProducedStep, reward_version: str, timings: BatchTimings) -> None:
-        """Count and queue one step. Synchronous, so a checkpoint sees both or neither."""
-        state = self.state
-        self.run.ledger.generate(produced.size)
-        if state.reward_version is not None and reward_version != state.reward_version:
+    async def _generate(self, examples: list[Example], first: int, step: int, offset: int
+                        ) -> tuple[list[Group], str, BatchTimings]:
+        """Generate, score and reference-score `examples` (taken at `first`, at `offset` within the step):
+        one request, or streaming requests of `prompts_per_request` prompts."""
+        async_cfg = self.inputs.spec.grpo.async_grpo
+        if not async_cfg.streaming:
+            return await rollout_groups(self.services, self.inputs, examples, first, step, self.run.version,
+                                        self.reference_model, offset=offset)
+        per_request = async_cfg.prompts_per_request
+
+        async def one(i: int) -> tuple[list[Group], str, BatchTimings]:
+            async with self.limit:
+                return await rollout_groups(self.services, self.inputs, examples[i:i + per_request], first + i, step,
+                                            self.run.version, self.reference_model, offset=offset + i)
+
+        parts = await asyncio.gather(*(one(i) for i in range(0, len(examples), per_request)))
+        timings = BatchTimings()
+        for _, _, t in parts:
+            timings.add(t)
+        return [g for part_groups, _, _ in parts for g in part_groups], parts[-1][1], timings
+
+    async def _sample_dynamically(self, step: int) -> StepRollouts:
+        """DAPO's dynamic sampling: generation batches until the step holds num_prompts_per_step groups
+        whose task rewards differ (or the bound on batches is reached)."""
+        grpo = self.inputs.spec.grpo
+        wanted, size = grpo.num_prompts_per_step, grpo.gen_batch_prompts
+        first = self.state.sampler.position
+        out = StepRollouts(step, first, first)
+        signal: list[Group] = []
+        errored: list[Group] = []  # the trainer drops them, quoting the plug-in's messages
+        filtered: list[Group] = []
+        batches = 0
+        while len(signal) < wanted and batches < grpo.dynamic_sampling_max_gen_batches:
+            start = self.state.sampler.position
+            examples = self.state.sampler.take(size)
+            groups, out.reward_version, timings = await self._generate(examples, start, step, start - first)
+            out.timings.add(timings)
+            batches += 1
+            scored = [g for g in groups if not g.reward_errors]
+            errored += [g for g in groups if g.reward_errors]
+            equal = zero_variance_groups(torch.tensor([g.rewards for g in scored])).tolist() if scored else []
+            filtered += [g for g, e in zip(scored, equal) if e]
+            signal += [g for g, e in zip(scored, equal) if not e]
+        out.end = self.state.sampler.position
+        out.groups = sorted(signal[:wanted] + errored, key=lambda g: g.prompt_index)
+        out.drops = {FILTERED: filtered, SURPLUS: signal[wanted:]}
+        generated = len(signal) + len(errored) + len(filtered)
+        out.metrics = {
+            "dynamic_sampling/num_gen_batches": float(batches),
+            "dynamic_sampling/filtered_fraction": len(filtered) / generated,
+            "dynamic_sampling/discarded_valid_groups": float(max(0, len(signal) - wanted)),
+            "dynamic_sampling/groups_short": float(max(0, wanted - len(signal))),
+        }
+        if len(signal) < wanted:
+            self.run.emit(pb.EVENT_KIND_WARNING, (
+                f"step {step + 1}: dynamic sampling reached grpo.dynamic_sampling_max_gen_batches ({batches} "
+                f"generation batches of {size} prompts) with {len(signal)} of {wanted} groups whose rewards differ "
+                f"({len(filtered)} filtered); the step trains those"))
+        return out
+
+    def _commit(self, rollouts: StepRollouts) -> None:
+        """Count and queue one step (its drops counted too). Synchronous, so a checkpoint sees all or nothing."""
+        state, ledger = self.state, self.run.ledger
+        produced = ProducedStep(rollouts.step, rollouts.groups, {**rollouts.timings.metrics(), **rollouts.metrics},
+                                rollouts.first)
+        ledger.generate(produced.size + sum(g.size for groups in rollouts.drops.values() for g in groups))
+        for reason, groups in rollouts.drops.items():
+            if groups:
+                n = sum(g.size for g in groups)
+                ledger.drop(reason, n)
+                self.run.emit(pb.EVENT_KIND_DROPPED, f"step {rollouts.step + 1}: dropped {len(groups)} groups ({n} "
+                              f"trajectories): {reason}", {f"dropped/{reason}": float(n)})
+        if state.reward_version is not None and rollouts.reward_version != state.reward_version:
             self.run.emit(pb.EVENT_KIND_REWARD_SWAP,
-                          f"reward service changed: {state.reward_version} -> {reward_version}")
-        state.reward_version = reward_version
-        state.activity.update(timings.activity)
+                          f"reward service changed: {state.reward_version} -> {rollouts.reward_version}")
+        state.reward_version = rollouts.reward_version
+        state.activity.update(rollouts.timings.activity)
         state.produced_steps += 1
+        state.data_cursor = rollouts.end
         self.queue.put(produced)
         self.run.save()
         self.progress()
 
     async def _stream(self) -> None:
+        """Streaming without dynamic sampling: step k + 1's prompts go out while step k's tail generates."""
         spec = self.inputs.spec
-        per_request = spec.grpo.async_grpo.prompts_per_request
-        limit = asyncio.Semaphore(max(1, spec.grpo.async_grpo.max_prompts_in_flight // per_request))
-
-        async def one(examples: list[Example], first: int, step: int, offset: int):
-            async with limit:
-                return await rollout_groups(self.services, self.inputs, examples, first + offset, step,
-                                            self.run.version, self.reference_model, offset=offset)
+        prompts = spec.grpo.num_prompts_per_step
 
         async def stream_step(step: int, examples: list[Example], first: int, before: asyncio.Task | None) -> None:
-            parts = await asyncio.gather(*(one(examples[i:i + per_request], first, step, i)
-                                           for i in range(0, len(examples), per_request)))
+            groups, reward_version, timings = await self._generate(examples, first, step, 0)
             if before is not None:
                 await before
-            timings = BatchTimings()
-            for _, _, t in parts:
-                timings.add(t)
-            groups = [g for part_groups, _, _ in parts for g in part_groups]
-            self._commit(ProducedStep(step, groups, timings.metrics()), parts[-1][1], timings)
+            self._commit(StepRollouts(step, first, first + prompts, groups, reward_version, timings))
 
         running: list[asyncio.Task] = []
         try:
             for step in range(self.state.produced_steps, spec.grpo.max_num_steps):
                 await self._wait_turn(step, running)
                 first = self.state.sampler.position
-                examples = self.state.sampler.take(spec.grpo.num_prompts_per_step)
+                examples = self.state.sampler.take(prompts)
                 running.append(asyncio.create_task(stream_step(step, examples, first,
                                                                running[-1] if running else None)))
             for task in running:

@@ -1,6 +1,7 @@
 """A run heals itself: when a service loses the run's state, continue from the last checkpoint.
 
-`run_grpo` runs attempts of the loop (`loop.GrpoAttempt`). An attempt that
+`run_grpo` runs attempts of the loop (`loop.GrpoAttempt`, or for `algorithm: sft` and `dpo`
+`rlserve.supervised.loop.SupervisedAttempt`). An attempt that
 ends with `RunStateLost` (a service answered ABORTED: the learner's training
 session is gone because a worker died or its replica restarted, or the
 rollout no longer holds the run's weights) is followed by another that
@@ -20,14 +21,18 @@ import logging
 import time
 from dataclasses import dataclass
 
-from rlserve.grpo.loop import GrpoAttempt
+from rlserve.grpo.loop import Attempt, GrpoAttempt
 from rlserve.grpo.services import RunServices, RunStateLost, ServiceFailure
 from rlserve.grpo.state import LoopSettings, RunInputs
 from rlserve.logs import event
 from rlserve.runs.record import Run
+from rlserve.supervised.loop import SupervisedAttempt
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
+
+# The attempt of each `algorithm`.
+ATTEMPTS: dict[str, type[Attempt]] = {"grpo": GrpoAttempt, "sft": SupervisedAttempt, "dpo": SupervisedAttempt}
 
 
 @dataclass
@@ -57,7 +62,7 @@ async def run_grpo(run: Run, services: RunServices, settings: LoopSettings) -> N
         while True:
             # Off the event loop: building the data set takes a while, and the coordinator keeps answering.
             inputs = await asyncio.to_thread(RunInputs.build, run.run_id, run.spec, run.run_dir)
-            attempt = GrpoAttempt(inputs, run, services, settings, recovering_since=since)
+            attempt = ATTEMPTS[run.spec.algorithm](inputs, run, services, settings, recovering_since=since)
             try:
                 await attempt.run_attempt(reason)
                 return

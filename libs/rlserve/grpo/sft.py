@@ -11,6 +11,7 @@ reference policy, as for full-parameter runs.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from rlserve.grpo.state import RunInputs
 from rlserve.grpo.sync import WeightSync
 from rlserve.grpo.validation import evaluate
 from rlserve.runs.record import Run
-from rlserve.training.batch import TrainBatch
+from rlserve.supervised.batches import sft_batch
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
 
@@ -34,12 +35,16 @@ async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, syn
         run_id=run.run_id, spec_yaml=inputs.sft_spec_yaml(), init_model_path=str(inputs.model_path)))
     sampler = PromptSampler(list(inputs.train), inputs.spec.data.seed + 1)
     reward = 0.0
+    version = 0
     for i in range(cfg.max_num_steps):
         examples = sampler.take(cfg.batch_size)
-        seqs, prompt_lens = zip(*(inputs.tok.sft_ids(ex) for ex in examples))
+        # The assistant's tokens, as an algorithm: sft run trains them (rlserve.supervised.batches).
+        built = await asyncio.to_thread(sft_batch, inputs.tok, examples, inputs.spec.policy.max_total_sequence_length)
+        if built.batch is None:
+            raise ValueError(f"SFT warm start: none of {len(examples)} examples fits policy.max_total_sequence_length")
         result = await services.train_step(learner_pb2.TrainStepRequest(
-            run_id=run.run_id, loss_name="sft", learning_rate=cfg.lr, expected_weight_version=i),
-            TrainBatch.from_sequences(list(seqs), list(prompt_lens)))
+            run_id=run.run_id, loss_name="sft", learning_rate=cfg.lr, expected_weight_version=version), built.batch)
+        version = result.weight_version
         progress()
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:
             continue

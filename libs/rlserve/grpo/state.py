@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rlserve.config import RunSpec, spec_to_yaml
 from rlserve.data.dataset import PromptSampler, build_splits
+from rlserve.data.preferences import PreferenceSplits, build_preference_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
 from rlserve.models import resolve_model
@@ -44,14 +45,18 @@ class RunInputs:
     tok: PromptTokenizer
     train: tuple[Example, ...]
     val: tuple[Example, ...]  # the held-out prompts validation scores (at most grpo.max_val_samples)
+    # An algorithm: dpo run's preference pairs (its train and val are empty).
+    pairs: PreferenceSplits | None = None
 
     @classmethod
     def build(cls, run_id: str, spec: RunSpec, run_dir: Path) -> RunInputs:
         model_path = resolve_model(spec.policy.model_name, spec.policy.model_seed)
+        tok = PromptTokenizer(model_path, spec.data.prompt_format, spec.data.system_prompt)
+        if spec.algorithm == "dpo":
+            return cls(run_id, spec, run_dir, model_path, tok, (), (), build_preference_splits(spec.data))
         splits = build_splits(spec.data)
-        return cls(run_id, spec, run_dir, model_path,
-                   PromptTokenizer(model_path, spec.data.prompt_format, spec.data.system_prompt),
-                   tuple(splits.train), tuple(splits.val[: spec.grpo.max_val_samples]))
+        return cls(run_id, spec, run_dir, model_path, tok, tuple(splits.train),
+                   tuple(splits.val[: spec.grpo.max_val_samples]))
 
     def spec_yaml(self) -> str:
         """The resolved spec as SubmitRun wrote it into the run directory (what the learner is configured with)."""
@@ -69,9 +74,11 @@ class RunInputs:
 
 @dataclass
 class ProducerState:
-    # Step k's prompts are the data cursor's [k * P, (k + 1) * P) (P = num_prompts_per_step).
+    # Steps take prompts at the data cursor in order: P = num_prompts_per_step each, or with dynamic
+    # sampling as many generation batches as the step needs.
     sampler: PromptSampler
     produced_steps: int = 0  # steps whose groups are in the queue or trained
+    data_cursor: int = 0  # the data cursor after the last committed step's prompts
     reward_version: str | None = None
     activity: Activity = field(default_factory=dict)  # the newest activity of each rollout replica
 

@@ -2,7 +2,8 @@
 
 A step takes the next produced step's groups; drops the stale ones (older
 than the bound), those a reward plug-in failed on, and (by default) those
-whose samples all scored alike; computes advantages; trains on the rest; and
+whose samples all scored alike (after DAPO's overlong reward shaping, when
+on); computes advantages; trains on the rest; and
 publishes the new weights to the rollout engines. Every dropped trajectory is
 counted in the ledger with its reason. A step left with nothing to train is
 skipped with a WARNING event.
@@ -18,7 +19,10 @@ from collections.abc import Callable
 import torch
 
 from rlserve.algorithms.dynamic_sampling import zero_variance_groups
+from rlserve.algorithms.interfaces import AdvantageInputs
 from rlserve.algorithms.registry import advantage_estimator
+from rlserve.algorithms.reward_shaping import overlong_penalty
+from rlserve.config import RunSpec
 from rlserve.grpo.checkpoints import Checkpoints
 from rlserve.grpo.groups import Group, ProducedStep, StepQueue, summarize_errors
 from rlserve.grpo.services import RunServices
@@ -34,17 +38,54 @@ from rlserve.v1 import learner_pb2
 ERROR_MESSAGES_PER_STEP = 3
 
 
+def advantage_inputs(groups: list[Group], rewards: torch.Tensor, with_reference: bool) -> AdvantageInputs:
+    """The estimator's inputs: rewards [G, n] and per-token tensors padded to the longest completion."""
+    width = max(len(c) for g in groups for c in g.completions)
+    shape = (len(groups), len(groups[0].completions), width)
+    mask, gen = torch.zeros(shape, dtype=torch.bool), torch.zeros(shape)
+    ref = torch.zeros(shape) if with_reference else None
+    for i, g in enumerate(groups):
+        for j, completion in enumerate(g.completions):
+            mask[i, j, :len(completion)] = True
+            gen[i, j, :len(completion)] = torch.tensor(g.gen_logprobs[j])
+            if ref is not None:
+                ref[i, j, :len(completion)] = torch.tensor(g.ref_logprobs[j])
+    return AdvantageInputs(rewards, mask, gen, ref)
+
+
 def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool) -> TrainBatch:
-    seqs, prompt_lens, advs, gen_lps, ref_lps = [], [], [], [], []
+    """The learner's batch; `advantages` [G, n], or [G, n, T] from a token-level estimator."""
+    seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps = [], [], [], [], [], []
+    per_token = advantages.dim() == 3
     for g, adv in zip(groups, advantages.tolist()):
         for j, completion in enumerate(g.completions):
             seqs.append(g.prompt_ids + completion)
             prompt_lens.append(len(g.prompt_ids))
-            advs.append(adv[j])
+            if per_token:
+                token_advs.append(adv[j][:len(completion)])
+            else:
+                advs.append(adv[j])
             gen_lps.append(g.gen_logprobs[j])
             if with_reference:
                 ref_lps.append(g.ref_logprobs[j])
-    return TrainBatch.from_sequences(seqs, prompt_lens, advs, gen_lps, ref_lps if with_reference else None)
+    return TrainBatch.from_sequences(seqs, prompt_lens, None if per_token else advs, gen_lps,
+                                     ref_lps if with_reference else None,
+                                     token_advantages=token_advs if per_token else None)
+
+
+def shaped_rewards(groups: list[Group], rewards: torch.Tensor, spec: RunSpec) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rewards advantages are computed from: the task's, plus DAPO's overlong penalty when
+    `grpo.reward_shaping` is on (`rlserve.algorithms.reward_shaping`)."""
+    cfg = spec.grpo.reward_shaping
+    if not cfg.enabled or not groups:
+        return rewards, {}
+    lengths = torch.tensor([[len(c) for c in g.completions] for g in groups])
+    penalty = overlong_penalty(lengths, spec.max_response_length, cfg.overlong_buffer_length,
+                               cfg.overlong_buffer_penalty)
+    shaped = rewards + penalty
+    return shaped, {"reward/overlong_penalty_mean": penalty.mean().item(),
+                    "reward/overlong_penalized_fraction": (penalty < 0).float().mean().item(),
+                    "reward/shaped_mean": shaped.mean().item()}
 
 
 def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
@@ -114,16 +155,18 @@ class Trainer:
                    "batch/staleness_max": float(max(ages, default=0)),
                    "batch/mixed_version_samples": float(sum(g.mixed_samples for g in fresh)),
                    "batch/version_spread_max": float(max((g.version_spread for g in fresh), default=0)),
-                   "data/cursor": float(min(g.prompt_index for g in produced.groups)),
+                   "data/cursor": float(produced.data_cursor),
                    "timing/wait_for_rollouts_s": wait_s,
                    **completion_metrics(fresh, spec.policy.generation.max_new_tokens),
                    **engine_idle(seen, self.state.activity_mark)}
         self.state.activity_mark = seen
 
-        # 2. Group-relative advantages; groups whose samples all scored alike carry no signal.
+        # 2. Advantages; groups whose samples all scored alike (after reward shaping) carry no signal.
+        shaped, shaping_metrics = shaped_rewards(scored, rewards, spec)
+        metrics.update(shaping_metrics)
         keep = torch.ones(len(scored), dtype=torch.bool)
         if spec.grpo.skip_zero_advantage_groups and scored:
-            keep = ~zero_variance_groups(rewards)
+            keep = ~zero_variance_groups(shaped)
             dropped["zero_advantage"] = self._drop([g for g, k in zip(scored, keep.tolist()) if not k],
                                                    "zero_advantage")
         trainable = [g for g, k in zip(scored, keep.tolist()) if k]
@@ -134,10 +177,11 @@ class Trainer:
             self.run.emit(pb.EVENT_KIND_WARNING, f"step {step + 1} skipped: no trainable group (trajectories "
                           f"dropped: {reasons}); the policy stays at version {version}")
             return metrics
-        advantages = advantage_estimator(spec.grpo.adv_estimator)(rewards[keep])
+        estimator = advantage_estimator(spec.grpo.adv_estimator, spec.loss_fn)
+        advantages = estimator(advantage_inputs(trainable, shaped[keep], estimator.needs_reference_logprobs))
 
         # 3. Train on the batch.
-        batch = build_batch(trainable, advantages, spec.reference_from_service)
+        batch = build_batch(trainable, advantages, spec.reference_to_learner)
         t1 = time.perf_counter()
         result = await self.services.train_step(learner_pb2.TrainStepRequest(
             run_id=self.inputs.run_id, loss_name=spec.loss_fn.name, expected_weight_version=version), batch)

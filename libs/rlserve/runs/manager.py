@@ -13,7 +13,8 @@ A submitted run is QUEUED at once; its preflight (checks that need the model
 or the data) runs beside the queue, and a run starts only after its
 preflight passed. Run ids name folders in the runs directory, so a new id
 and a resumed one are checked alike; a run that SUCCEEDED or was CANCELLED
-is resumed only to extend it (a larger `grpo.max_num_steps`).
+is resumed only to extend it (a larger `grpo.max_num_steps`, or the max_num_steps of its algorithm's
+section).
 
 Every call acts for a principal (`rlserve.security.principal`): a run
 belongs to its submitter, and a user sees and acts on their own runs only.
@@ -189,10 +190,11 @@ class RunManager:
         return lambda folder: self._visible(folder, caller) is not None
 
     async def _resumed_spec(self, run_id: str, spec_yaml: str, caller: Principal) -> RunSpec:
-        """The stored spec; with `spec_yaml`, that spec, which may differ only in grpo.max_num_steps.
+        """The stored spec; with `spec_yaml`, that spec, which may differ only in the max_num_steps of the
+        run's algorithm (grpo.max_num_steps, sft.max_num_steps, dpo.max_num_steps).
 
         A run that SUCCEEDED or was CANCELLED is resumed only when the request asks to extend it: a spec
-        whose grpo.max_num_steps is larger than the steps it did. A run folder without a record (its run.json
+        whose max_num_steps is larger than the steps it did. A run folder without a record (its run.json
         unreadable) has no owner to check: only an admin resumes it.
         """
         run_dir = self.runs_dir / run_id
@@ -205,19 +207,19 @@ class RunManager:
         access = self._run_access(caller)
         stored = await self.admission.check(await asyncio.to_thread(self._load_spec,
                                                                    (run_dir / "spec.yaml").read_text()), access)
-        spec = stored
+        spec, key = stored, f"{stored.algorithm}.max_num_steps"
         if spec_yaml.strip():
             spec = await self.admission.check(await asyncio.to_thread(self._load_spec, spec_yaml), access)
             mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
-            mine["grpo"].pop("max_num_steps")
-            theirs["grpo"].pop("max_num_steps")
+            mine[stored.algorithm].pop("max_num_steps")
+            theirs[stored.algorithm].pop("max_num_steps")
             if mine != theirs:
-                raise invalid_argument("spec_yaml", "when resuming, only grpo.max_num_steps may change")
+                raise invalid_argument("spec_yaml", f"when resuming, only {key} may change")
         if earlier is not None and earlier.state in (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_CANCELLED) and (
-                not spec_yaml.strip() or spec.grpo.max_num_steps <= earlier.step):
+                not spec_yaml.strip() or spec.max_num_steps <= earlier.step):
             raise failed_precondition(
                 f"run {run_id!r} {STATE_NAMES[earlier.state]} at step {earlier.step}; to continue it, resume "
-                f"with a spec whose grpo.max_num_steps is larger than {earlier.step}")
+                f"with a spec whose {key} is larger than {earlier.step}")
         return spec
 
     async def _new_spec(self, spec_yaml: str, run_id: str, caller: Principal) -> tuple[RunSpec, str]:

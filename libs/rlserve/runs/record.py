@@ -136,7 +136,7 @@ class Run:
 
     def to_proto(self) -> pb.Run:
         return pb.Run(run_id=self.run_id, name=self.spec.name, state=self.state, step=self.step,
-                      max_steps=self.spec.grpo.max_num_steps, weight_version=self.version, run_dir=str(self.run_dir),
+                      max_steps=self.spec.max_num_steps, weight_version=self.version, run_dir=str(self.run_dir),
                       error=self.error, ledger=self.ledger.to_proto(), last_metrics=self.last_metrics,
                       created_unix=self.created, updated_unix=self.updated,
                       final_model_path=self.final_model_path, plot_path=self.plot_path,

@@ -83,7 +83,8 @@ class Recorder:
             self._tb = None
 
     def plot(self) -> Path | None:
-        """Train reward and held-out reward against the step, from metrics.jsonl."""
+        """Train reward and held-out reward against the step, from metrics.jsonl (a supervised run without
+        rewards: its training loss)."""
         rows = self.read("metrics.jsonl")
         if not rows:
             return None
@@ -93,12 +94,16 @@ class Recorder:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (("reward/mean", "train reward (sampled)"), ("val/reward", "held-out reward (greedy)")):
+        curves = (("reward/mean", "train reward (sampled)"), ("val/reward", "held-out reward (greedy)"))
+        ylabel = "reward"
+        if not any(key in r for r in rows for key, _ in curves):
+            curves, ylabel = (("loss/total", "training loss"),), "loss"
+        for key, label in curves:
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if key.startswith("val") else None, label=label)
-        ax.set_xlabel("GRPO step")
-        ax.set_ylabel("reward")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
         out = self.run_dir / "reward_curve.png"

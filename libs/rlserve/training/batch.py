@@ -26,17 +26,26 @@ class TrainBatch:
     advantages: torch.Tensor  # [S] float32 (zeros for SFT)
     gen_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (SFT)
     ref_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (no KL)
+    # [total_completion_tokens] float32 when each token has its own advantage (REINFORCE++'s KL in
+    # the reward); then `advantages` is unused. None: every token takes its sequence's advantage.
+    token_advantages: torch.Tensor | None = None
+    # [total_completion_tokens] bool: the tokens the loss counts (SFT on a conversation: the assistant's
+    # turns, not the user's between them). None: every completion token.
+    loss_mask: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(cls, token_ids: list[list[int]], prompt_lens: list[int], advantages: list[float] | None = None,
                        gen_logprobs: list[list[float]] | None = None,
-                       ref_logprobs: list[list[float]] | None = None) -> TrainBatch:
+                       ref_logprobs: list[list[float]] | None = None,
+                       token_advantages: list[list[float]] | None = None,
+                       loss_mask: list[list[bool]] | None = None) -> TrainBatch:
         if not token_ids:
             raise ValueError("empty batch")
         for i, (ids, p) in enumerate(zip(token_ids, prompt_lens)):
             if not 0 < p < len(ids):
                 raise ValueError(f"sequences[{i}]: prompt_length {p} must be in 1..{len(ids) - 1}")
-            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs)):
+            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs),
+                                  ("token_advantages", token_advantages), ("loss_mask", loss_mask)):
                 if per_tok is not None and len(per_tok[i]) != len(ids) - p:
                     raise ValueError(f"sequences[{i}].{name}: {len(per_tok[i])} values for "
                                      f"{len(ids) - p} completion tokens")
@@ -52,6 +61,8 @@ class TrainBatch:
                                     dtype=torch.float32),
             gen_logprobs=flat(gen_logprobs),
             ref_logprobs=flat(ref_logprobs),
+            token_advantages=flat(token_advantages),
+            loss_mask=None if loss_mask is None else torch.tensor([v for r in loss_mask for v in r], dtype=torch.bool),
         )
 
     @property
@@ -64,6 +75,12 @@ class TrainBatch:
 
     def num_completion_tokens(self, idx: list[int]) -> int:
         return int(self.completion_lens[idx].sum())
+
+    def num_loss_tokens(self, idx: list[int]) -> int:
+        """The tokens of sequences `idx` that the loss counts (`loss_mask`)."""
+        if self.loss_mask is None:
+            return self.num_completion_tokens(idx)
+        return int(_per_token(self, self.loss_mask, idx).sum()) if idx else 0
 
     def _offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         seq_start = torch.cumsum(self.seq_lens, 0) - self.seq_lens
@@ -92,6 +109,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None
     seq_index: torch.Tensor  # which sequence of this micro-batch each token belongs to
     num_seqs: int
+    loss_mask: torch.Tensor | None  # bool, the tokens the loss counts; None: all
     num_tokens: int  # all tokens, prompts included (for throughput)
     # Packed rows: int32 [n + 1] cumulative sequence lengths and the longest one, for attention
     # kernels that keep each sequence to itself (`rlserve.training.attention`); None when padded.
@@ -105,7 +123,7 @@ class MicroBatch:
         return MicroBatch(mv(self.input_ids), mv(self.position_ids), self.packed, mv(self.attention_mask),
                           mv(self.completion_mask), mv(self.hidden_index), mv(self.targets), mv(self.advantages),
                           mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs,
-                          self.num_tokens, mv(self.cu_seqlens), self.max_seqlen)
+                          mv(self.loss_mask), self.num_tokens, mv(self.cu_seqlens), self.max_seqlen)
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments that carry the packing to a transformers model (the names of its
@@ -154,10 +172,12 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         completion_mask=completion,
         hidden_index=completion_positions(completion).flatten().nonzero().squeeze(1),
         targets=input_ids[completion],
-        advantages=batch.advantages[idx].repeat_interleave(comp_lens),
+        advantages=(batch.advantages[idx].repeat_interleave(comp_lens) if batch.token_advantages is None
+                    else _per_token(batch, batch.token_advantages, real) if real else _empty(batch.token_advantages)),
         gen_logprobs=_per_token(batch, batch.gen_logprobs, real) if real else _empty(batch.gen_logprobs),
         ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),
         seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),
+        loss_mask=_per_token(batch, batch.loss_mask, real) if real else _empty(batch.loss_mask),
         num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
@@ -165,30 +185,37 @@ def _empty(field: torch.Tensor | None) -> torch.Tensor | None:
     return None if field is None else field.new_zeros(0)
 
 
-def _groups(batch: TrainBatch, idx: list[int], packed: bool, micro_batch_size: int, mb_tokens: int,
+def _unit_len(batch: TrainBatch, unit: list[int]) -> int:
+    return int(sum(int(batch.seq_lens[i]) for i in unit))
+
+
+def _groups(batch: TrainBatch, units: list[list[int]], packed: bool, micro_batch_size: int, mb_tokens: int,
             algorithm: str) -> list[list[int]]:
-    if not idx:
+    """Micro-batches (sequence indices) of whole units: bins of `mb_tokens`, or `micro_batch_size` sequences."""
+    if not units:
         return []
     if packed:
-        bins = get_packer(algorithm)([int(batch.seq_lens[i]) for i in idx], mb_tokens)
-        return [[idx[j] for j in b] for b in bins]
-    return [idx[k:k + micro_batch_size] for k in range(0, len(idx), micro_batch_size)]
+        bins = get_packer(algorithm)([_unit_len(batch, u) for u in units], mb_tokens)
+        return [[i for j in b for i in units[j]] for b in bins]
+    per = max(1, micro_batch_size // len(units[0]))
+    return [[i for u in units[k:k + per] for i in u] for k in range(0, len(units), per)]
 
 
-def _balance_tokens(batch: TrainBatch, idx: list[int], dp_size: int) -> list[list[int]]:
-    """`idx` split over `dp_size` ranks, longest sequence first to the rank with the fewest tokens
-    (greedy LPT scheduling, within 4/3 of the best makespan); each share keeps batch order."""
-    shares: list[list[int]] = [[] for _ in range(dp_size)]
+def _balance_tokens(batch: TrainBatch, units: list[list[int]], dp_size: int) -> list[list[list[int]]]:
+    """`units` split over `dp_size` ranks, longest first to the rank with the fewest tokens (greedy LPT
+    scheduling, within 4/3 of the best makespan); each share keeps batch order."""
+    shares: list[list[list[int]]] = [[] for _ in range(dp_size)]
     load = [0] * dp_size
-    for i in sorted(idx, key=lambda k: -int(batch.seq_lens[k])):
+    for u in sorted(units, key=lambda v: -_unit_len(batch, v)):
         r = min(range(dp_size), key=lambda q: (load[q], q))
-        shares[r].append(i)
-        load[r] += int(batch.seq_lens[i])
+        shares[r].append(u)
+        load[r] += _unit_len(batch, u)
     return [sorted(s) for s in shares]
 
 
 def rank_micro_batches(batch: TrainBatch, idx: list[int], dp_rank: int, dp_size: int, *, packed: bool,
-                       micro_batch_size: int, mb_tokens: int, algorithm: str, pad_id: int = 0) -> list[MicroBatch]:
+                       micro_batch_size: int, mb_tokens: int, algorithm: str, pad_id: int = 0,
+                       unit: int = 1) -> list[MicroBatch]:
     """This data-parallel rank's micro-batches for the sequences `idx` of one optimizer step.
 
     Packed, micro-batches are formed by tokens: sequences go to ranks balancing their token counts,
@@ -197,12 +224,15 @@ def rank_micro_batches(batch: TrainBatch, idx: list[int], dp_rank: int, dp_size:
     (padded with dummies), because FSDP's collectives need the same number of forward/backward
     passes on every rank. Each rank sees the whole batch, so no communication is needed to agree.
     Which sequences share a micro-batch does not change the gradient: losses are normalised by
-    the minibatch's global counts (`rlserve.training.objective`).
+    the minibatch's global counts (`rlserve.training.objective`). With `unit` > 1, every `unit`
+    consecutive sequences (a DPO pair) move as one: same rank, same micro-batch, in order.
     """
-    shares = _balance_tokens(batch, idx, dp_size) if packed else [idx[r::dp_size] for r in range(dp_size)]
+    units = [idx[k:k + unit] for k in range(0, len(idx), unit)]
+    shares = _balance_tokens(batch, units, dp_size) if packed else [units[r::dp_size] for r in range(dp_size)]
     plans = [_groups(batch, share, packed, micro_batch_size, mb_tokens, algorithm) for share in shares]
     mine = [_make(batch, g, packed, pad_id) for g in plans[dp_rank]]
-    filler = shares[dp_rank][:1] or idx[:1]
-    mine += [_make(batch, filler, packed, pad_id, dummy=True)
-             for _ in range(max(len(p) for p in plans) - len(mine))]
+    missing = max(len(p) for p in plans) - len(mine)
+    if missing:
+        filler = (shares[dp_rank] or units)[0][:1]
+        mine += [_make(batch, filler, packed, pad_id, dummy=True) for _ in range(missing)]
     return mine

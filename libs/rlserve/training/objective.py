@@ -19,14 +19,14 @@ import torch.distributed as dist
 
 from rlserve.algorithms.interfaces import LossInputs
 from rlserve.algorithms.metrics import all_reduce_metric_sums, finalize_metrics, reduce_metric_sums
-from rlserve.algorithms.registry import make_loss
+from rlserve.algorithms.registry import loss_for_run
 from rlserve.config.spec import RunSpec
 from rlserve.training.batch import MicroBatch, TrainBatch, rank_micro_batches
 
 
 class StepObjective:
     def __init__(self, spec: RunSpec, batch: TrainBatch, loss_name: str, dp_size: int, dp_rank: int, pad_id: int):
-        self.loss = make_loss(loss_name, spec.loss_fn)
+        self.loss = loss_for_run(loss_name, spec)
         if self.loss.needs_generator_logprobs and batch.gen_logprobs is None:
             raise ValueError(f"the {loss_name} loss needs the generator's logprobs")
         n = batch.num_seqs
@@ -34,12 +34,17 @@ class StepObjective:
         # Dropped groups make batches smaller than nominal: the last update may take fewer sequences.
         minibatches = [list(range(k, min(k + gbs, n))) for k in range(0, n, gbs)]
         packing = spec.policy.sequence_packing
+        # A paired loss (DPO) sees each pair, sequences 2k and 2k + 1, whole in one micro-batch.
+        unit = 2 if self.loss.paired else 1
+        if n % unit:
+            raise ValueError(f"the {loss_name} loss trains on pairs of sequences, got {n}")
         self.plans: list[list[MicroBatch]] = [
             rank_micro_batches(batch, idx, dp_rank, dp_size, packed=packing.enabled,
                                micro_batch_size=spec.policy.train_micro_batch_size,
-                               mb_tokens=packing.train_mb_tokens, pad_id=pad_id, algorithm=packing.algorithm)
+                               mb_tokens=packing.train_mb_tokens, pad_id=pad_id, algorithm=packing.algorithm,
+                               unit=unit)
             for idx in minibatches]
-        self.normalizers = [float(max(1, batch.num_completion_tokens(idx))) if self.loss.token_level
+        self.normalizers = [float(max(1, batch.num_loss_tokens(idx))) if self.loss.token_level
                             else float(len(idx)) for idx in minibatches]
         self.total_tokens = int(batch.seq_lens.sum())
         # With one update per step the starting policy is the one being trained (prev = curr, detached).
@@ -61,7 +66,9 @@ class StepObjective:
         inputs = LossInputs(curr_logprobs=curr, prev_logprobs=curr.detach() if prev is None else prev,
                             gen_logprobs=mb.gen_logprobs,
                             ref_logprobs=mb.ref_logprobs if self.loss.needs_reference_logprobs else None,
-                            advantages=mb.advantages, mask=torch.ones_like(curr), seq_index=mb.seq_index,
+                            advantages=mb.advantages,
+                            mask=torch.ones_like(curr) if mb.loss_mask is None else mb.loss_mask.to(curr.dtype),
+                            seq_index=mb.seq_index,
                             num_seqs=mb.num_seqs)
         loss, sums = self.loss(inputs, self.normalizers[k])
         if entropy is not None:
@@ -74,7 +81,7 @@ class StepObjective:
         sums = all_reduce_metric_sums(reduce_metric_sums(self._sums), dp_group)
         metrics = finalize_metrics(sums)
         # Losses were summed over minibatches; report the mean per optimizer update.
-        for key in ("loss/total", "loss/policy_gradient", "loss/kl"):
+        for key in ("loss/total", "loss/policy_gradient", "loss/kl", "loss/preference", "loss/sft"):
             if key in metrics:
                 metrics[key] /= len(self.plans)
         return metrics

@@ -1,4 +1,4 @@
-"""The "grpo" advantage estimator, built by name as the coordinator builds it, against
+"""The "grpo" advantage estimator (REINFORCE++: test_reinforce_plus_plus.py), built by name as the coordinator builds it, against
 hand-computed numbers and a float64 loop."""
 
 from __future__ import annotations
@@ -8,13 +8,20 @@ import math
 import pytest
 import torch
 
+from rlserve.algorithms.interfaces import AdvantageInputs
 from rlserve.algorithms.registry import advantage_estimator
-from rlserve.config.spec import AdvEstimatorCfg
+from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
+
+
+def rewards_only(rewards: torch.Tensor) -> AdvantageInputs:
+    """What the grpo estimator reads: the rewards (one token per completion for the rest)."""
+    shape = (*rewards.shape, 1)
+    return AdvantageInputs(rewards, torch.ones(shape, dtype=torch.bool), torch.zeros(shape, dtype=rewards.dtype), None)
 
 
 def estimate(rewards: torch.Tensor, normalize: bool, leave_one_out: bool) -> torch.Tensor:
     cfg = AdvEstimatorCfg(name="grpo", normalize_rewards=normalize, use_leave_one_out_baseline=leave_one_out)
-    return advantage_estimator(cfg)(rewards)
+    return advantage_estimator(cfg, LossFnCfg())(rewards_only(rewards))
 
 
 def loop_advantages(rewards: list[list[float]], normalize: bool, leave_one_out: bool, eps: float) -> list[list[float]]:
@@ -86,7 +93,7 @@ def test_matches_loop_reference(normalize, leave_one_out):
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
 
 
-
 def test_defaults_normalise_with_the_group_mean_baseline():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(advantage_estimator(AdvEstimatorCfg())(rewards), estimate(rewards, True, False))
+    torch.testing.assert_close(advantage_estimator(AdvEstimatorCfg(), LossFnCfg())(rewards_only(rewards)),
+                               estimate(rewards, True, False))

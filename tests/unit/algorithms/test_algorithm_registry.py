@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlserve.algorithms.interfaces import AdvantageEstimator, Loss
+from rlserve.algorithms.interfaces import AdvantageEstimator, AdvantageInputs, Loss
 from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, advantage_estimator, make_loss
 from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
 
@@ -23,16 +23,19 @@ def test_every_registered_loss_builds_and_declares_its_needs(name):
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names)
 def test_every_registered_advantage_estimator_builds(name):
-    estimator = advantage_estimator(AdvEstimatorCfg(name=name))
+    estimator = advantage_estimator(AdvEstimatorCfg(name=name), LossFnCfg())
     assert isinstance(estimator, AdvantageEstimator)
-    assert estimator(torch.tensor([[1.0, 0.0, 0.5]])).shape == (1, 3)
+    assert isinstance(estimator.token_level, bool) and isinstance(estimator.needs_reference_logprobs, bool)
+    mask = torch.tensor([[[True, True], [True, False], [True, True]]])
+    out = estimator(AdvantageInputs(torch.tensor([[1.0, 0.0, 0.5]]), mask, torch.zeros(1, 3, 2), None))
+    assert out.shape == ((1, 3, 2) if estimator.token_level else (1, 3))
 
 
 def test_unknown_names_fail_listing_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, sft"):
+    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, cispo, sft"):
         make_loss("ppo", LossFnCfg())
-    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'; valid: grpo"):
-        advantage_estimator(AdvEstimatorCfg.model_construct(name="gae"))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'; valid: grpo, reinforce_plus_plus"):
+        advantage_estimator(AdvEstimatorCfg.model_construct(name="gae"), LossFnCfg())
 
 
 def test_grpo_declares_what_its_configuration_uses():

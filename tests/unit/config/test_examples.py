@@ -12,9 +12,11 @@ from rlserve.config import load_spec
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
-@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("grpo_*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("grpo_*.yaml"), *EXAMPLES.glob("sft_*.yaml"),
+                                          *EXAMPLES.glob("dpo_*.yaml")]), ids=lambda p: p.name)
 def test_example_specs_validate(path):
-    assert load_spec(path).grpo.max_num_steps > 0
+    spec = load_spec(path)
+    assert spec.max_num_steps > 0 and path.name.startswith(spec.algorithm)
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("cluster_*.yaml")), ids=lambda p: p.name)

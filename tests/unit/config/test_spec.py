@@ -66,6 +66,15 @@ def test_bad_value_names_path():
     ({"reward": {"endpoint": "nohost"}}, "reward.endpoint"),
     ({"policy": {"generation": {"max_new_tokens": 200}}}, "policy.generation.max_new_tokens"),
     ({"loss_fn": {"sequence_level_importance_ratios": True}}, "loss_fn.sequence_level_importance_ratios"),
+    ({"algorithm": "sft", "sft": {"enabled": True}}, "sft.enabled"),
+    ({"algorithm": "dpo", "data": {"task": "jsonl", "train_path": "p.jsonl"},
+      "policy": {"dtensor_cfg": {"lora_cfg": {"enabled": True}}}}, "policy.dtensor_cfg.lora_cfg.enabled"),
+    ({"algorithm": "dpo", "data": {"task": "jsonl", "train_path": "p.jsonl"},
+      "policy": {"sequence_packing": {"enabled": True, "train_mb_tokens": 128}}},
+     "policy.sequence_packing.train_mb_tokens"),
+    ({"algorithm": "ppo"}, "algorithm"),
+    ({"grpo": {"num_prompts_per_step": 4096, "num_generations_per_prompt": 16, "use_dynamic_sampling": True,
+               "batch_multiplier": 2}}, "grpo.batch_multiplier"),
 ])
 def test_cross_field_errors_name_the_key(data, path):
     assert problems(data)[0].startswith(path + ":")
@@ -148,6 +157,8 @@ def test_any_unknown_key_is_rejected_with_its_path(section, key):
     known = set(RunSpec.model_fields[section].annotation.model_fields)
     if section == "grpo":
         known |= set(LEGACY_ADV_ESTIMATOR_KEYS)
+    if section == "loss_fn":
+        known |= {"use_cispo"}  # NeMo-RL's spelling of loss_fn.name: cispo
     if key in known:
         return
     (p,) = problems({section: {key: 1}})

@@ -101,3 +101,12 @@ def test_bad_files_are_named(tmp_path):
 def test_data_spec_errors(data, message):
     with pytest.raises(ValueError, match=message):
         RunSpec.model_validate({"data": data})
+
+
+def test_a_conversation_ending_with_the_assistant_carries_its_answer(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                                             {"role": "user", "content": "2+2?"},
+                                             {"role": "assistant", "content": "4"}]}) + "\n")
+    (ex,) = load_examples(path, DataCfg(task="jsonl", train_path=str(path), prompt_format="chat"))
+    assert ex.answer == "4" and ex.prompt == "2+2?" and [m["role"] for m in ex.messages] == ["user", "assistant", "user"]

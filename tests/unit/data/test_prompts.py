@@ -89,3 +89,22 @@ def test_several_eos_ids_from_the_model_folder(chat_model):
     tok = PromptTokenizer(chat_model, "chat", None)
     names = tok.tok.convert_ids_to_tokens(tok.eos_ids)
     assert names == ["<|im_end|>", "<|end_of_text|>"]
+
+
+def test_sft_tokens_train_every_assistant_turn_and_nothing_else(chat_model):
+    """CHAT holds an earlier assistant turn ("42"); the answer is the final one ("2"). Both are trained, each
+    through the token that ends its turn; the system and user turns and the template's markup are not."""
+    tok = PromptTokenizer(chat_model, "chat", None)
+    ids, mask = tok.sft_tokens(Example("And 1+1?", "2", messages=CHAT))
+    assert ids == tok.sft_ids(Example("And 1+1?", "2", messages=CHAT))[0]
+    spans, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(tok.tok.decode(ids[start:i]))
+            start = None
+    assert spans == ["42<|im_end|>", "2<|im_end|>"]
+    raw = PromptTokenizer(chat_model, "raw", None)
+    ids, mask = raw.sft_tokens(Example("1+1=", "2"))
+    assert sum(mask) == len(ids) - len(raw.prompt_ids(Example("1+1=", "2"))) and mask[-1]

@@ -84,6 +84,26 @@ def test_every_completion_token_appears_once_with_its_values(lengths, packed, dp
     assert sorted(seen_adv) == sorted(a for (_, c), a in zip(lengths, range(len(lengths))) for _ in range(c))
 
 
+@settings(max_examples=40, deadline=None)
+@given(lengths=LENGTHS, packed=st.booleans(), dp=st.integers(1, 3), mbs=st.integers(1, 4))
+def test_token_advantages_follow_their_tokens(lengths, packed, dp, mbs):
+    """A token-level estimator's advantages (REINFORCE++) line up with the generator logprobs, token by token."""
+    base = make_batch(lengths)
+    token_adv = [[10.0 * i + k for k in range(c)] for i, (_, c) in enumerate(lengths)]
+    batch = TrainBatch.from_sequences([base.sequence(i).tolist() for i in range(base.num_seqs)],
+                                      base.prompt_lens.tolist(), None,
+                                      [[-(i + 1) - k / 100 for k in range(c)] for i, (_, c) in enumerate(lengths)],
+                                      token_advantages=token_adv)
+    pairs = []
+    for rank in range(dp):
+        for mb in rank_micro_batches(batch, list(range(batch.num_seqs)), rank, dp, packed=packed,
+                                     micro_batch_size=mbs, mb_tokens=16, algorithm="balanced"):
+            assert mb.advantages.numel() == mb.gen_logprobs.numel()
+            pairs += zip(mb.gen_logprobs.tolist(), mb.advantages.tolist())
+    expected = [(-(i + 1) - k / 100, 10.0 * i + k) for i, (_, c) in enumerate(lengths) for k in range(c)]
+    assert sorted((round(g, 4), a) for g, a in pairs) == sorted((round(g, 4), a) for g, a in expected)
+
+
 def test_packed_positions_restart_per_sequence():
     batch = make_batch([(2, 2), (3, 1)])
     (mb,) = rank_micro_batches(batch, [0, 1], 0, 1, packed=True, micro_batch_size=8, mb_tokens=16,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rlserve.config import parse_spec
 from rlserve.training.batch import TrainBatch
@@ -42,5 +43,19 @@ def test_a_loss_that_needs_generator_logprobs_refuses_a_batch_without_them():
 
 
 def test_unknown_loss_names_fail_listing_the_valid_ones():
-    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, sft"):
+    with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, cispo, sft"):
         objective("ppo")
+
+
+def test_a_loss_mask_leaves_tokens_out_of_the_loss_and_the_normaliser():
+    """SFT on a conversation: the masked tokens (a user turn between assistant turns) neither count nor weigh."""
+    masks = [[True, False], [True, True, False], [True], [False, True]]
+    masked = TrainBatch.from_sequences(TOKENS, PROMPTS, loss_mask=masks)
+    sft = StepObjective(parse_spec({}), masked, "sft", dp_size=1, dp_rank=0, pad_id=0)
+    assert sft.normalizers == [5.0]
+    (mb,) = sft.plans[0]
+    curr = torch.tensor([-1.0, -9.0, -2.0, -3.0, -9.0, -4.0, -9.0, -5.0], requires_grad=True)
+    loss = sft.micro_batch_loss(0, mb, curr, None)
+    loss.backward()
+    assert loss.item() == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)
+    assert curr.grad.tolist() == pytest.approx([-0.2, 0, -0.2, -0.2, 0, -0.2, 0, -0.2])

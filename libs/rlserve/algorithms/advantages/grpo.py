@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlserve.algorithms.interfaces import AdvantageEstimator
-from rlserve.config.spec import AdvEstimatorCfg
+from rlserve.algorithms.interfaces import AdvantageEstimator, AdvantageInputs
+from rlserve.config.algorithms import AdvEstimatorCfg, LossFnCfg
 
 # Keeps the std normalisation finite for a group of nearly equal rewards.
 STD_EPS = 1e-6
@@ -23,11 +23,14 @@ STD_EPS = 1e-6
 class GrpoAdvantageEstimator(AdvantageEstimator):
     """`grpo.adv_estimator: {name: grpo, normalize_rewards, use_leave_one_out_baseline}` (NeMo-RL's keys)."""
 
-    def __init__(self, cfg: AdvEstimatorCfg):
-        self.cfg = cfg
+    token_level = False
 
-    def __call__(self, rewards: Tensor) -> Tensor:
-        return group_advantages(rewards, self.cfg.normalize_rewards, self.cfg.use_leave_one_out_baseline)
+    def __init__(self, cfg: AdvEstimatorCfg, loss_cfg: LossFnCfg):
+        self.cfg = cfg
+        self.needs_reference_logprobs = False
+
+    def __call__(self, inputs: AdvantageInputs) -> Tensor:
+        return group_advantages(inputs.rewards, self.cfg.normalize_rewards, self.cfg.use_leave_one_out_baseline)
 
 
 def group_advantages(rewards: Tensor, normalize: bool, leave_one_out: bool) -> Tensor:

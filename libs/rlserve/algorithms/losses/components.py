@@ -55,6 +55,21 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_h
     return torch.where(dual_clipped, dual_loss, loss), clipped, dual_clipped
 
 
+def cispo_surrogate(ratio: Tensor, advantages: Tensor, curr_logprobs: Tensor, clip_low: float,
+                    clip_high: float) -> tuple[Tensor, Tensor]:
+    """CISPO's loss per token: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi_curr.
+
+    CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585, eq. 4) clips the importance
+    weight, detached, instead of the update: every token keeps a gradient through
+    log pi_curr, bounded by the clipped weight, where PPO's clip zeroes the
+    gradient of a token whose ratio left the range. Returns (loss, clipped), the
+    mask marking tokens whose weight the clip changed.
+    """
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+    return -advantages * weight.detach() * curr_logprobs, clipped
+
+
 def behaviour_importance_weight(prev_logprobs: Tensor, gen_logprobs: Tensor, valid: Tensor, seq_index: Tensor,
                                 num_seqs: int, sequence_level: bool) -> Tensor:
     """w = pi_prev / pi_gen per token, detached.

@@ -6,7 +6,8 @@ importance weight):
 
     loss_t = w * max(-r A, -clip(r) A) [dual-clipped]  +  beta * KL_t
 
-aggregated over the step's tokens or sequences. The decoupled form (the ratio
+aggregated over the step's tokens or sequences (CISPO, `cispo.py`, changes
+only the first term: `surrogate`). The decoupled form (the ratio
 against the step's starting policy, the weight against the generator) follows
 AReaL and NeMo-RL's ClippedPGLossFn; every `loss_fn` key switches one piece of
 `components` on or off.
@@ -28,7 +29,7 @@ from rlserve.algorithms.losses.components import (
     truncate_importance_weight,
 )
 from rlserve.algorithms.metrics import masked_extreme
-from rlserve.config.spec import LossFnCfg
+from rlserve.config.algorithms import LossFnCfg
 
 
 class GrpoLoss(Loss):
@@ -38,12 +39,19 @@ class GrpoLoss(Loss):
 
     def __init__(self, cfg: LossFnCfg):
         self.cfg = cfg
-        self.needs_reference_logprobs = cfg.reference_policy_kl_penalty > 0
+        # With loss_fn.use_kl_in_reward the KL is the advantage estimator's (REINFORCE++), not the loss's.
+        self.beta = 0.0 if cfg.use_kl_in_reward else cfg.reference_policy_kl_penalty
+        self.needs_reference_logprobs = self.beta > 0
         self.token_level = cfg.token_level_loss
+
+    def surrogate(self, ratio: Tensor, adv: Tensor, curr: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(policy-gradient loss per token, clipped, dual-clipped): PPO's clipped surrogate."""
+        cfg = self.cfg
+        return clipped_surrogate(ratio, adv, cfg.ratio_clip_min, cfg.ratio_clip_max, cfg.ratio_clip_c)
 
     def __call__(self, inputs: LossInputs, global_normalizer: Tensor | float) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, seq_index, num_seqs = self.cfg, inputs.seq_index, inputs.num_seqs
-        beta = cfg.reference_policy_kl_penalty
+        beta = self.beta
         if beta > 0 and inputs.ref_logprobs is None:
             raise ValueError("loss_fn.reference_policy_kl_penalty > 0 needs reference logprobs")
         valid = inputs.mask > 0
@@ -52,10 +60,9 @@ class GrpoLoss(Loss):
         curr, prev, gen, adv = (torch.where(valid, x, 0.0) for x in (
             inputs.curr_logprobs, inputs.prev_logprobs, inputs.gen_logprobs, inputs.advantages))
 
-        # 1. Clipped surrogate on the PPO ratio (per token, or per sequence for GSPO).
+        # 1. The policy-gradient term on the PPO ratio (per token, or per sequence for GSPO).
         ratio = policy_ratio(curr, prev, valid, seq_index, num_seqs, cfg.sequence_level_importance_ratios)
-        pg, clipped, dual_clipped = clipped_surrogate(ratio, adv, cfg.ratio_clip_min, cfg.ratio_clip_max,
-                                                      cfg.ratio_clip_c)
+        pg, clipped, dual_clipped = self.surrogate(ratio, adv, curr)
 
         # 2. Generator -> learner importance weight, truncated (measured even when not applied).
         is_weight = behaviour_importance_weight(prev, gen, valid, seq_index, num_seqs,

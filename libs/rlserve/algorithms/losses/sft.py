@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from rlserve.algorithms.interfaces import Loss, LossInputs
-from rlserve.config.spec import LossFnCfg
+from rlserve.config.algorithms import LossFnCfg
 
 
 class SftLoss(Loss):

@@ -103,7 +103,7 @@ class DTensorBackend(LearnerBackend):
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay, foreach=True)
-        sched, total = spec.policy.scheduler, spec.grpo.max_num_steps
+        sched, total = spec.policy.scheduler, spec.max_num_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, sched, total))
         self._version = 0
 

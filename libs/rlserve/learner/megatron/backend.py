@@ -244,7 +244,7 @@ class MegatronBackend(LearnerBackend):
                                                 config_overrides={})
         sched = self.spec.policy.scheduler
         self.scheduler = LrSchedule(self.optimizer, self.spec.policy.optimizer.kwargs.lr,
-                                    partial(lr_factor, cfg=sched, total_steps=self.spec.grpo.max_num_steps))
+                                    partial(lr_factor, cfg=sched, total_steps=self.spec.max_num_steps))
 
     # --- contract ------------------------------------------------------------
 

@@ -1,0 +1,56 @@
+"""The algorithms beyond GRPO's defaults, end to end on the shared cluster: DAPO's dynamic sampling and
+overlong shaping, CISPO's loss, and REINFORCE++ with the KL in the reward (reference service ->
+coordinator -> per-token advantages through the object store -> learner). Each run finishes with its
+records agreeing and reports the algorithm's own metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlserve.clients.coordinator import CoordinatorClient
+from rlserve.v1 import coordinator_pb2 as pb
+from tests.integration.runs_support import assert_records_agree, events_until_end, metric_events, spec
+
+
+@pytest.fixture(scope="module")
+def client(test_cluster):
+    with CoordinatorClient(test_cluster.endpoint) as c:
+        yield c
+
+
+def finished(client: CoordinatorClient, text: str) -> tuple[pb.Run, list[dict[str, float]]]:
+    run = client.submit(text)
+    events = events_until_end(client, run.run_id)
+    run = client.get(run.run_id)
+    assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
+    assert_records_agree(run, events)
+    return run, metric_events(events)
+
+
+def test_dapo_dynamic_sampling_and_overlong_shaping(client):
+    run, steps = finished(client, spec(
+        grpo__max_num_steps=2, grpo__val_period=0, grpo__use_dynamic_sampling=True,
+        grpo__dynamic_sampling_max_gen_batches=3,
+        grpo__reward_shaping={"enabled": True, "overlong_buffer_length": 2}, loss_fn__ratio_clip_max=0.28))
+    for m in steps:
+        assert 1 <= m["dynamic_sampling/num_gen_batches"] <= 3 and 0 <= m["dynamic_sampling/filtered_fraction"] < 1
+        assert m["reward/overlong_penalty_mean"] <= 0
+        # Full batches unless the bound was reached (then the step says how many groups it lacked).
+        assert m["batch/groups_trained"] + m["dynamic_sampling/groups_short"] == 8
+    assert run.ledger.generated >= 2 * 8 * 4
+
+
+def test_cispo(client):
+    _, steps = finished(client, spec(grpo__max_num_steps=2, grpo__val_period=0, loss_fn={
+        "name": "cispo", "ratio_clip_min": 1.0, "ratio_clip_max": 5.0, "use_importance_sampling_correction": True},
+        policy__train_global_batch_size=16))  # two updates per step: the weight moves off 1
+    assert all("loss/policy_gradient" in m and "policy/clip_fraction" in m for m in steps)
+
+
+def test_reinforce_plus_plus_with_the_kl_in_the_reward(client):
+    _, steps = finished(client, spec(
+        grpo__max_num_steps=2, grpo__val_period=0, grpo__adv_estimator={"name": "reinforce_plus_plus"},
+        loss_fn={"use_kl_in_reward": True, "reference_policy_kl_penalty": 0.05, "reference_policy_kl_type": "k1"}))
+    for m in steps:
+        assert m["timing/reference_s"] > 0  # the coordinator asked the reference service
+        assert m.get("loss/kl", 0.0) == 0.0  # and the loss has no KL term
