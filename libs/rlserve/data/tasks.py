@@ -181,7 +181,7 @@ class Sort(Reverse):
 
 
 class GuessNumber(Task):
-    """`Guess my number from 1 to N.` for the `guess_number` environment, which holds the number
+    """`guess my number from 1 to N.` for the `guess_number` environment, which holds the number
     (`env_args.target`, also the answer) and answers each guess with "higher" or "lower". The prompt
     is the same for every row, so an SFT warm start on the answers learns to guess a number in range
     (uniformly), and only the environment's feedback can do better. Validation plays each distinct game
@@ -202,7 +202,7 @@ class GuessNumber(Task):
     def example(self, rng: random.Random) -> Example:
         n = self.args.max_number
         target = rng.randint(1, n)
-        return Example(f"Guess my number from 1 to {n}.", str(target), {}, None, {"target": target, "max_number": n})
+        return Example(f"guess my number from 1 to {n}.", str(target), {}, None, {"target": target, "max_number": n})
 
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort, GuessNumber)}

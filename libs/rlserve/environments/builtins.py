@@ -66,7 +66,7 @@ class GuessNumber(Environment):
         if guess == target:
             return StepOutput([], self.discount ** (step.turn - 1), True, {**metrics, "success": 1.0})
         if not valid:
-            text = f"Answer with a whole number from 1 to {high}."
+            text = f"answer with a whole number from 1 to {high}."
         else:
             text = "higher" if guess < target else "lower"
         return StepOutput([{"role": "user", "content": text}], 0.0, False, metrics)

@@ -2,7 +2,10 @@
 rank cuts its share into padded or packed micro-batches.
 
 A `TrainBatch` stores sequences back to back (flat tensors plus lengths), so
-it pickles as a handful of tensors. A `MicroBatch` is what one forward pass
+it pickles as a handful of tensors. Everything after a sequence's prompt is its
+completion; the loss mask says which completion tokens the loss counts (a
+multi-turn episode's own tokens, not the environment's observations and the
+chat template's turn markers between them, which are context only). A `MicroBatch` is what one forward pass
 eats; its completion tokens, gathered row-major, line up with the flat
 per-token vectors the loss functions take.
 """
@@ -26,20 +29,26 @@ class TrainBatch:
     advantages: torch.Tensor  # [S] float32 (zeros for SFT)
     gen_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (SFT)
     ref_logprobs: torch.Tensor | None  # [total_completion_tokens] float32, or None (no KL)
+    # [total_completion_tokens] bool: the loss counts this token; None: every completion token.
+    loss_mask: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(cls, token_ids: list[list[int]], prompt_lens: list[int], advantages: list[float] | None = None,
                        gen_logprobs: list[list[float]] | None = None,
-                       ref_logprobs: list[list[float]] | None = None) -> TrainBatch:
+                       ref_logprobs: list[list[float]] | None = None,
+                       loss_masks: list[list[bool]] | None = None) -> TrainBatch:
         if not token_ids:
             raise ValueError("empty batch")
         for i, (ids, p) in enumerate(zip(token_ids, prompt_lens)):
             if not 0 < p < len(ids):
                 raise ValueError(f"sequences[{i}]: prompt_length {p} must be in 1..{len(ids) - 1}")
-            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs)):
+            for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs),
+                                  ("loss_mask", loss_masks)):
                 if per_tok is not None and len(per_tok[i]) != len(ids) - p:
                     raise ValueError(f"sequences[{i}].{name}: {len(per_tok[i])} values for "
                                      f"{len(ids) - p} completion tokens")
+            if loss_masks is not None and not any(loss_masks[i]):
+                raise ValueError(f"sequences[{i}].loss_mask: no completion token is trained")
 
         def flat(rows: list[list[float]] | None) -> torch.Tensor | None:
             return None if rows is None else torch.tensor([v for r in rows for v in r], dtype=torch.float32)
@@ -52,6 +61,8 @@ class TrainBatch:
                                     dtype=torch.float32),
             gen_logprobs=flat(gen_logprobs),
             ref_logprobs=flat(ref_logprobs),
+            loss_mask=None if loss_masks is None else torch.tensor([bool(v) for r in loss_masks for v in r],
+                                                                   dtype=torch.bool),
         )
 
     @property
@@ -64,6 +75,12 @@ class TrainBatch:
 
     def num_completion_tokens(self, idx: list[int]) -> int:
         return int(self.completion_lens[idx].sum())
+
+    def num_loss_tokens(self, idx: list[int]) -> int:
+        """Completion tokens of sequences `idx` that the loss counts (the token-level normaliser)."""
+        if self.loss_mask is None:
+            return self.num_completion_tokens(idx)
+        return int(_per_token(self, self.loss_mask, idx).sum()) if idx else 0
 
     def _offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         seq_start = torch.cumsum(self.seq_lens, 0) - self.seq_lens
@@ -90,6 +107,7 @@ class MicroBatch:
     advantages: torch.Tensor
     gen_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
+    loss_mask: torch.Tensor  # float 1 for the tokens the loss counts, 0 for context (observations, markers)
     seq_index: torch.Tensor  # which sequence of this micro-batch each token belongs to
     num_seqs: int
     num_tokens: int  # all tokens, prompts included (for throughput)
@@ -104,7 +122,8 @@ class MicroBatch:
 
         return MicroBatch(mv(self.input_ids), mv(self.position_ids), self.packed, mv(self.attention_mask),
                           mv(self.completion_mask), mv(self.hidden_index), mv(self.targets), mv(self.advantages),
-                          mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs,
+                          mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.loss_mask), mv(self.seq_index),
+                          self.num_seqs,
                           self.num_tokens, mv(self.cu_seqlens), self.max_seqlen)
 
     def attention_kwargs(self) -> dict:
@@ -149,6 +168,12 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         if all(len(s) == width for s in seqs):
             attention = None  # no padding: plain causal attention (the fused kernels' fast path)
     real = [] if dummy else idx
+    if not real:
+        loss_mask = torch.zeros(0)
+    elif batch.loss_mask is None:
+        loss_mask = torch.ones(int(comp_lens.sum()))
+    else:
+        loss_mask = _per_token(batch, batch.loss_mask, real).float()
     return MicroBatch(
         input_ids=input_ids, position_ids=position_ids, packed=packed, attention_mask=attention,
         completion_mask=completion,
@@ -157,7 +182,7 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         advantages=batch.advantages[idx].repeat_interleave(comp_lens),
         gen_logprobs=_per_token(batch, batch.gen_logprobs, real) if real else _empty(batch.gen_logprobs),
         ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),
-        seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),
+        loss_mask=loss_mask, seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),
         num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 

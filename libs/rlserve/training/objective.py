@@ -39,7 +39,7 @@ class StepObjective:
                                micro_batch_size=spec.policy.train_micro_batch_size,
                                mb_tokens=packing.train_mb_tokens, pad_id=pad_id, algorithm=packing.algorithm)
             for idx in minibatches]
-        self.normalizers = [float(max(1, batch.num_completion_tokens(idx))) if self.loss.token_level
+        self.normalizers = [float(max(1, batch.num_loss_tokens(idx))) if self.loss.token_level
                             else float(len(idx)) for idx in minibatches]
         self.total_tokens = int(batch.seq_lens.sum())
         # With one update per step the starting policy is the one being trained (prev = curr, detached).
@@ -61,11 +61,11 @@ class StepObjective:
         inputs = LossInputs(curr_logprobs=curr, prev_logprobs=curr.detach() if prev is None else prev,
                             gen_logprobs=mb.gen_logprobs,
                             ref_logprobs=mb.ref_logprobs if self.loss.needs_reference_logprobs else None,
-                            advantages=mb.advantages, mask=torch.ones_like(curr), seq_index=mb.seq_index,
+                            advantages=mb.advantages, mask=mb.loss_mask.to(curr.dtype), seq_index=mb.seq_index,
                             num_seqs=mb.num_seqs)
         loss, sums = self.loss(inputs, self.normalizers[k])
         if entropy is not None:
-            sums["entropy_sum"] = entropy.detach().float().sum()
+            sums["entropy_sum"] = (entropy.detach().float() * mb.loss_mask).sum()
         self._sums.append(sums)
         return loss
 
