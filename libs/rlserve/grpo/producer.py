@@ -1,7 +1,8 @@
 """The producer: generates each step's groups as soon as the staleness bound allows.
 
 Step k's prompts are taken from the data cursor, generated, scored and (with
-a KL penalty) reference-scored, then committed to the `StepQueue` whole: the
+a KL penalty) reference-scored (or, with an environment, played as episodes of
+several turns: `episodes.py`), then committed to the `StepQueue` whole: the
 ledger counts them and the trainer may take them. With max_age 0 a step
 waits for the previous one to be trained (synchronous on-policy GRPO); with
 max_age >= 1 generation of step k overlaps training of step k - 1.
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlserve.data.tasks import Example
+from rlserve.grpo.episodes import episode_groups
 from rlserve.grpo.groups import ProducedStep, StepQueue
 from rlserve.grpo.rollouts import BatchTimings, rollout_groups
 from rlserve.grpo.services import RunServices
@@ -35,6 +37,8 @@ class Producer:
         self.state, self.queue = state, queue
         self.reference_model = reference_model
         self.progress = progress
+        # One scored completion per sample, or (env.enabled) an episode of several turns per sample.
+        self.rollout = episode_groups if inputs.spec.env.enabled else rollout_groups
 
     async def run_steps(self) -> None:
         """Produce every step up to grpo.max_num_steps (returns when the last one is committed)."""
@@ -47,7 +51,7 @@ class Producer:
             await self.queue.wait_turn(step)
             first = self.state.sampler.position
             examples = self.state.sampler.take(spec.grpo.num_prompts_per_step)
-            groups, reward_version, timings = await rollout_groups(
+            groups, reward_version, timings = await self.rollout(
                 self.services, self.inputs, examples, first, step, self.run.version, self.reference_model)
             self._commit(ProducedStep(step, groups, timings.metrics()), reward_version, timings)
 
@@ -72,7 +76,7 @@ class Producer:
 
         async def one(examples: list[Example], first: int, step: int, offset: int):
             async with limit:
-                return await rollout_groups(self.services, self.inputs, examples, first + offset, step,
+                return await self.rollout(self.services, self.inputs, examples, first + offset, step,
                                             self.run.version, self.reference_model, offset=offset)
 
         async def stream_step(step: int, examples: list[Example], first: int, before: asyncio.Task | None) -> None:
