@@ -18,7 +18,7 @@ import json
 import logging
 from functools import lru_cache
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
@@ -45,6 +45,8 @@ class RewardArgs(BaseModel):
     functions: list[RewardFunctionCfg] = [RewardFunctionCfg(name="exact_match")]
     # Plug-ins a request may name by import path (the cluster file's reward.allowed_plugins).
     allowed_plugins: list[str] = []
+    # Threads that run environments' Reset and Step (a hung plug-in holds one until it returns).
+    environment_threads: int = Field(64, ge=1, le=4096)
 
 
 @lru_cache(maxsize=32)
@@ -71,6 +73,7 @@ class Reward:
         parsed = RewardArgs.model_validate(args or {})
         self.default = CombinedReward(parsed.functions)
         self.plugins = PluginPolicy(parsed.allowed_plugins)
+        self.env_threads = serving.EnvironmentThreads(parsed.environment_threads)
         event(log, "reward.ready", version=self.default.version,
               functions=",".join(s.name for s in self.default.specs))
 
@@ -107,12 +110,12 @@ class Reward:
     @grpc_method
     async def Reset(self, request: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse:
         env, version = self._environment(request.environment)
-        return await asyncio.to_thread(serving.reset, env, version, request)
+        return await self.env_threads.reset(env, version, request)
 
     @grpc_method
     async def Step(self, request: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
         env, version = self._environment(request.environment)
-        return await asyncio.to_thread(serving.step, env, version, request)
+        return await self.env_threads.step(env, version, request)
 
 
 def build(args: dict) -> serve.Application:

@@ -52,6 +52,7 @@ class FakeServices(RunServices):
                  vocab: int = 16, environments: dict[str, Environment] | None = None):
         self.generate_delay_s = generate_delay_s
         self.environments = dict(environments or {})
+        self.env_threads = serving.EnvironmentThreads(64)
         self.lose_state_at_version = lose_state_at_version
         self.vocab = vocab
         self.calls = Calls()
@@ -110,12 +111,12 @@ class FakeServices(RunServices):
     async def env_reset(self, req: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse:
         self.calls.env_resets += 1
         env, version = self._environment(req.environment)
-        return await asyncio.to_thread(serving.reset, env, version, req)
+        return await self.env_threads.reset(env, version, req)
 
     async def env_step(self, req: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
         self.calls.env_steps.append(req)
         env, version = self._environment(req.environment)
-        return await asyncio.to_thread(serving.step, env, version, req)
+        return await self.env_threads.step(env, version, req)
 
     async def reference_logprobs(self, req: reference_pb2.LogProbsRequest) -> reference_pb2.LogProbsResponse:
         self.calls.reference += 1

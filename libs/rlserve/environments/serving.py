@@ -10,11 +10,13 @@ episode's group and counts it).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rlserve.environments.interfaces import Environment, Episode, Message, ResetOutput, StepInput, StepOutput
@@ -158,3 +160,22 @@ def step(env: Environment, version: str, request: pb.StepRequest) -> pb.StepResp
     return pb.StepResponse(status=pb.ENVIRONMENT_STATUS_OK, observation=messages_to_proto(observation),
                            reward=float(reward), done=out.done, metrics=metrics, state_json=state_text,
                            environment_version=version, compute_seconds=time.perf_counter() - t0)
+
+
+class EnvironmentThreads:
+    """Runs environments' code off the event loop, on threads of its own.
+
+    A plug-in that hangs holds its thread until it returns (a Python thread cannot be stopped); the
+    caller's time-out (`env.timeout_s`) ends that episode. The pool is the service's own and large,
+    so a few hung episodes leave threads for the others (and for the reward functions, which use
+    the default pool).
+    """
+
+    def __init__(self, threads: int):
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rlserve-env")
+
+    async def reset(self, env: Environment, version: str, request: pb.ResetRequest) -> pb.ResetResponse:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, reset, env, version, request)
+
+    async def step(self, env: Environment, version: str, request: pb.StepRequest) -> pb.StepResponse:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, step, env, version, request)
