@@ -12,11 +12,14 @@ import threading
 import time
 
 import pytest
+import torch
 
 from rlserve.environments.builtins import GuessNumber
 from rlserve.environments.interfaces import Environment, ResetOutput, StepInput, StepOutput
+from rlserve.grpo.episodes import episode_groups, evaluate_episodes
 from rlserve.grpo.recovery import run_grpo
 from rlserve.grpo.state import LoopSettings
+from rlserve.grpo.trainer import build_batch
 from rlserve.training.batch import rank_micro_batches
 from rlserve.v1 import common_pb2, rollout_pb2
 from tests.support.fake_services import FakeServices
@@ -88,8 +91,6 @@ _ids = itertools.count()
 
 def scripted_episode(make_run, tok_text, turns, finish=None, envs=None, **over):
     """Play one validation-style step of episodes through `episode_groups` and return (groups, services)."""
-    from rlserve.grpo.episodes import episode_groups
-
     run, inputs = make_run(run_id=f"s{next(_ids)}", **over)
     services = Scripted(turns, tok_text(inputs), finish, environments=envs or {})
     groups, _, _ = asyncio.run(episode_groups(services, inputs, list(inputs.train[:1]), 0, 0, 0, inputs.model_path))
@@ -164,9 +165,6 @@ def test_a_trajectory_whose_text_retokenizes_differently_trains_on_its_tokens(ma
     assert tok.tok.decode(split) == word and merged != split  # the text re-tokenizes differently
     turn = split + [tok.eos_ids[0]]
     groups, _, _ = scripted_episode(make_run, decode_text, [turn, turn, turn], envs={"echo": Echo()}, **CHAT)
-    from rlserve.grpo.trainer import build_batch
-    import torch
-
     batch = build_batch(groups, torch.tensor([[1.0, -1.0]]), with_reference=False)
     completion = batch.sequence(0)[int(batch.prompt_lens[0]):].tolist()
     assert completion[:len(turn)] == turn
@@ -175,7 +173,6 @@ def test_a_trajectory_whose_text_retokenizes_differently_trains_on_its_tokens(ma
                                algorithm="balanced")
     assert mb.targets.tolist() == completion  # the learner predicts the engine's tokens
     assert [t for t, m in zip(completion, mask.tolist()) if m] == turn * 3
-    assert merged[0] not in completion[:len(turn)] or merged == split[:len(merged)]
 
 
 def test_every_ending_is_recorded(make_run):
@@ -244,8 +241,6 @@ def test_a_faulty_environment_drops_its_groups_and_the_run_goes_on(make_run, fau
 
 
 def test_an_observation_too_long_for_the_budget_ends_the_episode_truncated(make_run):
-    from rlserve.grpo.episodes import episode_groups
-
     run, inputs = make_run(**GAME)
     services = FakeServices(environments={"guess_number": Echo("z" * 5000)})
     groups, _, _ = asyncio.run(episode_groups(services, inputs, list(inputs.train[:2]), 0, 0, 0, inputs.model_path))
@@ -265,8 +260,6 @@ class Slow(GuessNumber):
 def test_the_engine_keeps_generating_while_episodes_wait_for_their_environment(make_run):
     """16 episodes x up to 3 turns with a 0.2 s environment: one after the other they would take 3 s or
     more; each is its own task, so they overlap and generation requests run side by side."""
-    from rlserve.grpo.episodes import episode_groups
-
     run, inputs = make_run(**{**GAME, "env": {"enabled": True, "name": "guess_number", "max_concurrent_episodes": 64}})
     services = FakeServices(generate_delay_s=0.02, environments={"guess_number": Slow(0.2)})
     t0 = time.perf_counter()
@@ -278,8 +271,6 @@ def test_the_engine_keeps_generating_while_episodes_wait_for_their_environment(m
 
 
 def test_validation_plays_one_greedy_episode_per_held_out_prompt(make_run):
-    from rlserve.grpo.episodes import evaluate_episodes
-
     run, inputs = make_run(**GAME)
     metrics, errors = asyncio.run(evaluate_episodes(FakeServices(), inputs, 0))
     assert not errors and 0.0 <= metrics["val/reward"] <= 1.0
@@ -302,8 +293,6 @@ class FirstMessages(Environment):
 def test_resets_messages_are_the_prompt_and_the_state_comes_back(make_run):
     run, inputs = make_run(**GAME)
     services = FakeServices(environments={"guess_number": FirstMessages()})
-    from rlserve.grpo.episodes import episode_groups
-
     groups, version, _ = asyncio.run(episode_groups(services, inputs, list(inputs.train[:2]), 0, 0, 0,
                                                     inputs.model_path))
     assert version == "fake-env-guess_number"
