@@ -66,9 +66,25 @@ def test_bad_value_names_path():
     ({"reward": {"endpoint": "nohost"}}, "reward.endpoint"),
     ({"policy": {"generation": {"max_new_tokens": 200}}}, "policy.generation.max_new_tokens"),
     ({"loss_fn": {"sequence_level_importance_ratios": True}}, "loss_fn.sequence_level_importance_ratios"),
+    ({"grpo": {"max_rollout_turns": 4}}, "grpo.max_rollout_turns"),
+    ({"env": {"enabled": True, "name": "chess"}}, "env.name"),
+    ({"env": {"enabled": True, "endpoint": "nohost"}}, "env.endpoint"),
+    ({"env": {"enabled": True, "timeout_s": 0}}, "env.timeout_s"),
+    ({"env": {"enabled": True, "args": {"x": float("nan")}}}, "env.args"),
 ])
 def test_cross_field_errors_name_the_key(data, path):
     assert problems(data)[0].startswith(path + ":")
+
+
+def test_an_environment_spec_and_its_defaults():
+    spec = parse_spec({"env": {"enabled": True, "name": "guess_number", "args": {"max_number": 8}},
+                       "grpo": {"max_rollout_turns": 5}})
+    assert spec.grpo.max_rollout_turns == 5 and spec.env.timeout_s == 30.0
+    assert spec.env.environment([]).args == {"max_number": 8}
+    # single_turn scores with the run's reward functions unless it names its own.
+    one = parse_spec({"env": {"enabled": True}, "reward": {"functions": [{"name": "format"}]}})
+    assert one.env.environment(one.reward.functions).args["functions"][0]["name"] == "format"
+    assert parse_spec({}).grpo.max_rollout_turns == 1 and not parse_spec({}).env.enabled
 
 
 def test_megatron_enabled_alone_switches_backend():
