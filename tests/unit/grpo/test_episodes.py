@@ -299,3 +299,42 @@ def test_resets_messages_are_the_prompt_and_the_state_comes_back(make_run):
     assert groups[0].prompt_ids == inputs.tok.episode_prompt_ids([{"role": "user",
                                                                    "content": f"say {inputs.train[0].answer}"}])
     assert all(g.rewards == [1.0] * 4 and not g.env_failures for g in groups)
+
+
+def test_admission_allow_lists_environment_plug_ins_and_servers():
+    from rlserve.config import RunSpec
+    from rlserve.grpo.admission import GrpoAdmission
+    from rlserve.rpc import RpcError
+    from rlserve.security.plugins import PluginPolicy
+
+    admission = GrpoAdmission(None, PluginPolicy(["tests.unit.grpo.test_episodes:Echo"]), ["127.0.0.1:*"], 1, None)
+    ok = {"env": {"enabled": True, "name": "echo", "import_path": "tests.unit.grpo.test_episodes:Echo",
+                  "endpoint": "127.0.0.1:7000"}}
+    admission._check_plugins(RunSpec.model_validate(ok))
+    for env, field in [({"name": "x", "import_path": "os:system"}, "env.import_path"),
+                       ({"args": {"functions": [{"name": "f", "import_path": "os:system"}]}},
+                        "env.args.functions.0.import_path"),
+                       ({"endpoint": "evil.example:443"}, "env.endpoint")]:
+        with pytest.raises(RpcError, match=f"PERMISSION_DENIED: spec_yaml: {field}"):
+            admission._check_plugins(RunSpec.model_validate({"env": {"enabled": True, **env}}))
+
+
+class Down(Environment):
+    def reset(self, episode):
+        raise RuntimeError("down for maintenance")
+
+    def step(self, step):
+        raise AssertionError("never stepped")
+
+
+def test_the_preflight_starts_an_episode(make_run):
+    from rlserve.grpo.admission import GrpoAdmission
+    from rlserve.rpc import RpcError
+
+    run, inputs = make_run(**GAME)
+    example = (inputs.tok, inputs.val[0])
+    asyncio.run(GrpoAdmission._check_environment(inputs.spec, FakeServices(), example))
+    down = FakeServices(environments={"guess_number": Down()})
+    with pytest.raises(RpcError, match="FAILED_PRECONDITION: env: the environment cannot start an episode: "
+                                       "RuntimeError: down for maintenance"):
+        asyncio.run(GrpoAdmission._check_environment(inputs.spec, down, example))
