@@ -338,3 +338,24 @@ def test_the_preflight_starts_an_episode(make_run):
     with pytest.raises(RpcError, match="FAILED_PRECONDITION: env: the environment cannot start an episode: "
                                        "RuntimeError: down for maintenance"):
         asyncio.run(GrpoAdmission._check_environment(inputs.spec, down, example))
+
+
+class Updating(Scripted):
+    """A weight update lands between the first and the second turn of every episode."""
+
+    async def generate(self, req):
+        resp = await super().generate(req)
+        self.served = max(self.served, 1 if len(self.prompts) >= 2 else 0)
+        return resp
+
+
+def test_weight_versions_are_recorded_per_turn(make_run):
+    """An episode whose turns came from two weight versions is tagged with the oldest, counted as spanning
+    versions, and keeps each turn's tokens with the logprobs they were sampled with."""
+    run, inputs = make_run(run_id="v", **CHAT)
+    turn = inputs.tok.encode("12") + [inputs.tok.eos_ids[0]]
+    services = Updating([turn, turn, turn], decode_text(inputs), environments={"echo": Echo()})
+    groups, _, _ = asyncio.run(episode_groups(services, inputs, list(inputs.train[:1]), 0, 0, 0, inputs.model_path))
+    (g,) = groups
+    assert g.weight_version == 0 and g.mixed_samples == 2 and g.version_spread == 1
+    assert [lp for lp, m in zip(g.gen_logprobs[0], g.loss_masks[0]) if m] == [-0.5] * 9
