@@ -28,8 +28,8 @@ def episode(answer: str = "5", **env_args) -> Episode:
     return Episode("r/0/0", "guess", ({"role": "user", "content": "guess"},), answer, {}, env_args)
 
 
-def step_input(text: str, turn: int = 1, ep: Episode | None = None) -> StepInput:
-    return StepInput(ep or episode(), [{"role": "user", "content": "guess"}], text, None, turn)
+def step_input(text: str, turn: int = 1, ep: Episode | None = None, state=None) -> StepInput:
+    return StepInput(ep or episode(), [{"role": "user", "content": "guess"}], text, state, turn)
 
 
 def test_the_built_in_names_are_the_loaders():
@@ -50,16 +50,30 @@ def test_single_turn_scores_like_the_reward_service_and_is_done_after_one_step()
 def test_guess_number_answers_higher_or_lower_until_right():
     env = GuessNumber(max_number=8, discount=0.5)
     ep = episode(target=6, max_number=8)
-    assert env.step(step_input("3", 1, ep)).observation == [{"role": "user", "content": "higher"}]
-    low = env.step(step_input("my guess is 7", 2, ep))
+    high = env.step(step_input("3", 1, ep))
+    assert high.observation == [{"role": "user", "content": "higher"}] and high.state["low"] == 4
+    low = env.step(step_input("my guess is 7", 2, ep, high.state))
     assert low.observation[0]["content"] == "lower" and not low.done and low.reward == 0.0
-    right = env.step(step_input("6", 3, ep))
-    assert right.done and right.reward == 0.25 and right.metrics == {"success": 1.0, "turns": 3.0, "invalid": 0.0}
+    assert (low.state["low"], low.state["high"]) == (4, 6)
+    right = env.step(step_input("6", 3, ep, low.state))
+    assert right.done and right.reward == 0.25
+    assert right.metrics == {"success": 1.0, "turns": 3.0, "invalid": 0.0, "ignored_feedback": 0.0}
     bad = env.step(step_input("nine", 1, ep))
     assert "whole number from 1 to 8" in bad.observation[0]["content"] and bad.metrics["invalid"] == 1.0
     assert env.step(step_input("12", 1, ep)).metrics["invalid"] == 1.0  # out of range
     with pytest.raises(ValueError, match="max_number"):
         GuessNumber(max_number=0)
+
+
+def test_guess_number_counts_and_optionally_penalises_guesses_that_ignore_the_feedback():
+    env = GuessNumber(max_number=8, feedback_penalty=0.2)
+    ep = episode(target=6, max_number=8)
+    first = env.step(step_input("3", 1, ep))  # higher: 4..8 stay open
+    again = env.step(step_input("2", 2, ep, first.state))  # ignores "higher"
+    assert again.reward == pytest.approx(-0.2) and again.metrics["ignored_feedback"] == 1.0
+    fine = env.step(step_input("5", 3, ep, again.state))
+    assert fine.reward == 0.0 and fine.metrics["ignored_feedback"] == 1.0 and fine.state["low"] == 6
+    assert env.step(step_input("6", 4, ep, fine.state)).reward == pytest.approx(0.9 ** 3)
 
 
 class Scripted(Environment):
