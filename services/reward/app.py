@@ -13,8 +13,6 @@ rewards and environments without touching the other services.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from functools import lru_cache
 
@@ -24,9 +22,7 @@ from ray import serve
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.environments import serving
-from rlserve.environments.config import BadEnvironment, EnvironmentCfg
-from rlserve.environments.interfaces import Environment
-from rlserve.environments.loader import load_environment, single_turn_functions
+from rlserve.environments.loader import Environments
 from rlserve.logs import event, setup_logging
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.loader import CombinedReward
@@ -55,16 +51,6 @@ def _combined(keys: tuple[str, ...]) -> CombinedReward:
     return CombinedReward([RewardFunctionCfg.model_validate_json(k) for k in keys])
 
 
-@lru_cache(maxsize=32)
-def _environment(key: str, default_key: str) -> tuple[Environment, str]:
-    """A loaded environment and its version, by its description's key (and the deployed default's, which
-    `single_turn` without functions scores with)."""
-    cfg = EnvironmentCfg.model_validate_json(key)
-    default = tuple(RewardFunctionCfg.model_validate_json(k) for k in json.loads(default_key))
-    env = load_environment(cfg, lambda: _combined(tuple(f.key() for f in default)))
-    return env, hashlib.sha1(f"{key}\n{default_key}".encode()).hexdigest()[:12]
-
-
 @serve.deployment(max_ongoing_requests=256)
 class Reward:
     def __init__(self, args: dict | None = None):
@@ -74,6 +60,7 @@ class Reward:
         self.default = CombinedReward(parsed.functions)
         self.plugins = PluginPolicy(parsed.allowed_plugins)
         self.env_threads = serving.EnvironmentThreads(parsed.environment_threads)
+        self.environments = Environments(self.plugins, self.default)
         event(log, "reward.ready", version=self.default.version,
               functions=",".join(s.name for s in self.default.specs))
 
@@ -88,33 +75,14 @@ class Reward:
                 raise invalid_argument("functions", str(err)) from None
         return await asyncio.to_thread(score_batch, reward, request)
 
-    def _environment(self, spec: environment_pb2.EnvironmentSpec) -> tuple[Environment, str]:
-        """The request's environment; plug-ins by import path (its own, or its reward functions') must be
-        allow-listed."""
-        try:
-            cfg = EnvironmentCfg.from_proto(spec)
-        except BadEnvironment as err:
-            raise invalid_argument(f"environment.{err.field}", err.problem) from None
-        if cfg.import_path:
-            self.plugins.check("environment.import_path", cfg.import_path)
-        try:
-            if cfg.import_path is None and cfg.name == "single_turn":
-                for i, f in enumerate(single_turn_functions(cfg)):
-                    if f.import_path:
-                        self.plugins.check(f"environment.args_json: functions.{i}.import_path", f.import_path)
-            default = json.dumps([f.key() for f in self.default.specs])
-            return _environment(cfg.key(), default)
-        except ValueError as err:
-            raise invalid_argument("environment", str(err)) from None
-
     @grpc_method
     async def Reset(self, request: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse:
-        env, version = self._environment(request.environment)
+        env, version = self.environments.get(request.environment)
         return await self.env_threads.reset(env, version, request)
 
     @grpc_method
     async def Step(self, request: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
-        env, version = self._environment(request.environment)
+        env, version = self.environments.get(request.environment)
         return await self.env_threads.step(env, version, request)
 
 

@@ -25,10 +25,11 @@ from pathlib import Path
 from rlserve.environments import serving
 from rlserve.environments.config import EnvironmentCfg
 from rlserve.environments.interfaces import Environment
-from rlserve.environments.loader import load_environment
+from rlserve.environments.loader import Environments
 from rlserve.grpo.services import Capacity, RunServices, RunStateLost
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.loader import CombinedReward
+from rlserve.security.plugins import PluginPolicy
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import common_pb2, environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
 
@@ -53,6 +54,7 @@ class FakeServices(RunServices):
         self.generate_delay_s = generate_delay_s
         self.environments = dict(environments or {})
         self.env_threads = serving.EnvironmentThreads(64)
+        self._loaded = Environments(PluginPolicy([]), CombinedReward([RewardFunctionCfg(name="exact_match")]))
         self.lose_state_at_version = lose_state_at_version
         self.vocab = vocab
         self.calls = Calls()
@@ -102,11 +104,11 @@ class FakeServices(RunServices):
         return reward_pb2.ScoreResponse(results=results, reward_version="fake-reward")
 
     def _environment(self, spec: environment_pb2.EnvironmentSpec) -> tuple[Environment, str]:
+        """A test environment by name, else what the reward application would load (nothing allow-listed)."""
         cfg = EnvironmentCfg.from_proto(spec)
         if cfg.name in self.environments:
             return self.environments[cfg.name], f"fake-env-{cfg.name}"
-        default = CombinedReward([RewardFunctionCfg(name="exact_match")])
-        return load_environment(cfg, lambda: default), f"fake-env-{cfg.name}"
+        return self._loaded.get(spec)[0], f"fake-env-{cfg.name}"
 
     async def env_reset(self, req: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse:
         self.calls.env_resets += 1

@@ -173,3 +173,37 @@ def test_the_reward_application_serves_environments_under_the_allow_list():
                                               episode=ep)))
     with pytest.raises(RpcError, match="INVALID_ARGUMENT: environment: unknown environment"):
         asyncio.run(app.Reset(pb.ResetRequest(environment=pb.EnvironmentSpec(name="chess"), episode=ep)))
+
+
+def test_the_standalone_server_serves_environments_under_its_allow_list():
+    """scripts/reward_server.py (loaded from its file) answers Reset and Step like the reward application."""
+    import importlib.util
+    from pathlib import Path
+
+    import grpc
+
+    from rlserve.v1 import environment_pb2_grpc
+    from tests.support.dist import free_port
+
+    path = Path(__file__).resolve().parents[3] / "scripts" / "reward_server.py"
+    module_spec = importlib.util.spec_from_file_location("reward_server_under_test", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    port = free_port()
+    server = module.serve("127.0.0.1", port, ["exact_match"], [])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = environment_pb2_grpc.EnvironmentStub(channel)
+            ep = pb.Episode(id="e", prompt="guess", messages=[pb.ChatMessage(role="user", content="guess")],
+                            env_args_json=json.dumps({"target": 2, "max_number": 4}))
+            game = EnvironmentCfg(name="guess_number").to_proto()
+            assert stub.Reset(pb.ResetRequest(environment=game, episode=ep)).status == pb.ENVIRONMENT_STATUS_OK
+            step = stub.Step(pb.StepRequest(environment=game, episode=ep, turn=1,
+                                            assistant=pb.ChatMessage(role="assistant", content="1")))
+            assert not step.done and step.observation[0].content == "higher"
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Reset(pb.ResetRequest(environment=pb.EnvironmentSpec(name="x", import_path="os:system"),
+                                           episode=ep))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        server.stop(0)
