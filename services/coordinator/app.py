@@ -80,13 +80,16 @@ class Coordinator:
                                   self.args.preflight_timeout_s, self.args.resume_on_restart,
                                   self.args.max_queued_runs, quotas)
 
-    def _services(self, reward_endpoint: str | None, policy: RetryPolicy) -> RunServices:
-        return ServeServices(self.args.apps, reward_endpoint, policy, on_retry=lambda msg: None)
+    def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
+                  ) -> RunServices:
+        return ServeServices(self.args.apps, reward_endpoint, policy, on_retry=lambda msg: None,
+                             env_endpoint=env_endpoint)
 
     async def _run(self, run: Run) -> None:
         services = await ServeServices.connect(self.args.apps, run.spec.reward.endpoint, self.args.retry,
                                                lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
-                                               self.args.watchdog_timeout_s)
+                                               self.args.watchdog_timeout_s,
+                                               env_endpoint=run.spec.env.endpoint if run.spec.env.enabled else None)
         await run_grpo(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s))
 
     async def __del__(self) -> None:

@@ -3,8 +3,8 @@
 Every call goes through `Retrying` (back-off, time-outs, RETRY events). The
 training batch travels through the object store (one `ray.put`, its ref
 inside a list so Serve hands it over instead of resolving it). An external
-reward server (`reward.endpoint`) is called over gRPC instead of the reward
-application.
+reward server (`reward.endpoint`) or environment server (`env.endpoint`) is
+called over gRPC instead of the reward application.
 """
 
 from __future__ import annotations
@@ -21,12 +21,20 @@ from ray.serve.exceptions import RayServeException
 from rlserve.grpo.retry import Retrying, RetryPolicy
 from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
 from rlserve.training.batch import TrainBatch
-from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, reward_pb2_grpc, rollout_pb2
+from rlserve.v1 import (
+    environment_pb2,
+    environment_pb2_grpc,
+    learner_pb2,
+    reference_pb2,
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+)
 
 
 class ServeServices(RunServices):
     def __init__(self, apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
-                 on_retry: Callable[[str], None]):
+                 on_retry: Callable[[str], None], env_endpoint: str | None = None):
         self.rollout = serve.get_app_handle(apps["rollout"])
         self.reward = serve.get_app_handle(apps["reward"])
         self.reference = serve.get_app_handle(apps["reference"])
@@ -34,16 +42,19 @@ class ServeServices(RunServices):
         self.retrying = Retrying(policy, on_retry)
         self._reward_channel = grpc.aio.insecure_channel(reward_endpoint) if reward_endpoint else None
         self._reward_stub = reward_pb2_grpc.RewardStub(self._reward_channel) if reward_endpoint else None
+        self._env_channel = grpc.aio.insecure_channel(env_endpoint) if env_endpoint else None
+        self._env_stub = environment_pb2_grpc.EnvironmentStub(self._env_channel) if env_endpoint else None
 
     @classmethod
     async def connect(cls, apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
-                      on_retry: Callable[[str], None], timeout_s: float) -> ServeServices:
+                      on_retry: Callable[[str], None], timeout_s: float,
+                      env_endpoint: str | None = None) -> ServeServices:
         """Once every application exists: a coordinator that resumes runs as it starts comes up beside the
         other applications, not after them."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return cls(apps, reward_endpoint, policy, on_retry)
+                return cls(apps, reward_endpoint, policy, on_retry, env_endpoint)
             except RayServeException as err:
                 if time.monotonic() > deadline:
                     raise ServiceFailure(f"the services are not deployed after {timeout_s:.0f}s: {err}") from None
@@ -53,8 +64,9 @@ class ServeServices(RunServices):
         return self.retrying.oldest_pending()
 
     async def close(self) -> None:
-        if self._reward_channel is not None:
-            await self._reward_channel.close()
+        for channel in (self._reward_channel, self._env_channel):
+            if channel is not None:
+                await channel.close()
 
     async def generate(self, req: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
         return await self.retrying.call("rollout.Generate", lambda: self.rollout.Generate.remote(req))
@@ -70,6 +82,16 @@ class ServeServices(RunServices):
         if self._reward_stub is not None:
             return await self.retrying.call("reward.Score", lambda: self._reward_stub.Score(req))
         return await self.retrying.call("reward.Score", lambda: self.reward.Score.remote(req))
+
+    async def env_reset(self, req: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse:
+        if self._env_stub is not None:
+            return await self.retrying.call("environment.Reset", lambda: self._env_stub.Reset(req))
+        return await self.retrying.call("environment.Reset", lambda: self.reward.Reset.remote(req))
+
+    async def env_step(self, req: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
+        if self._env_stub is not None:
+            return await self.retrying.call("environment.Step", lambda: self._env_stub.Step(req))
+        return await self.retrying.call("environment.Step", lambda: self.reward.Step.remote(req))
 
     async def reference_logprobs(self, req: reference_pb2.LogProbsRequest) -> reference_pb2.LogProbsResponse:
         return await self.retrying.call("reference.LogProbs", lambda: self.reference.LogProbs.remote(req))

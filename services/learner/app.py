@@ -76,7 +76,9 @@ def batch_from_proto(request: learner_pb2.TrainStepRequest, generator_logprobs: 
             [list(s.token_ids) for s in seqs], [s.prompt_length for s in seqs], [s.advantage for s in seqs],
             [list(s.generator_logprobs) for s in seqs] if generator_logprobs else None,
             [list(s.reference_logprobs) for s in seqs] if any(s.reference_logprobs for s in seqs) else None,
-            [list(s.token_advantages) for s in seqs] if any(s.token_advantages for s in seqs) else None)
+            [list(s.token_advantages) for s in seqs] if any(s.token_advantages for s in seqs) else None,
+            [list(s.loss_mask) or [True] * (len(s.token_ids) - s.prompt_length) for s in seqs]
+            if any(s.loss_mask for s in seqs) else None)
     except ValueError as err:
         raise invalid_argument("sequences", str(err)) from None
 

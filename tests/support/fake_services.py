@@ -8,7 +8,10 @@ retried step from its memory; ExportWeights publishes the learner's version
 and UpdateWeights makes the rollout serve it; checkpoints are files.
 Generation is seeded random tokens, and the reward is a fixed function of
 the completion's text, so groups differ within themselves and runs repeat
-exactly. Every call is recorded for the tests to inspect.
+exactly. Environments are served as the reward application serves them
+(`rlserve.environments.serving` over the loader, the plug-in run in a
+thread), with test environments by name in `environments`. Every call is
+recorded for the tests to inspect.
 """
 
 from __future__ import annotations
@@ -19,26 +22,39 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlserve.environments import serving
+from rlserve.environments.config import EnvironmentCfg
+from rlserve.environments.interfaces import Environment
+from rlserve.environments.loader import Environments
 from rlserve.grpo.services import Capacity, RunServices, RunStateLost
+from rlserve.rewards.config import RewardFunctionCfg
+from rlserve.rewards.loader import CombinedReward
+from rlserve.security.plugins import PluginPolicy
 from rlserve.training.batch import TrainBatch
-from rlserve.v1 import common_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
+from rlserve.v1 import common_pb2, environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
 
 
 @dataclass
 class Calls:
     generate: list[rollout_pb2.GenerateRequest] = field(default_factory=list)
     train: list[tuple[learner_pb2.TrainStepRequest, int]] = field(default_factory=list)  # request, sequences
+    batches: list[TrainBatch] = field(default_factory=list)
     reference: int = 0
     configure: int = 0
     released: list[str] = field(default_factory=list)
     running: int = 0  # Generate calls in progress now
     peak: int = 0  # the most at once
+    env_resets: int = 0
+    env_steps: list[environment_pb2.StepRequest] = field(default_factory=list)
 
 
 class FakeServices(RunServices):
     def __init__(self, *, generate_delay_s: float = 0.0, lose_state_at_version: int | None = None,
-                 vocab: int = 16):
+                 vocab: int = 16, environments: dict[str, Environment] | None = None):
         self.generate_delay_s = generate_delay_s
+        self.environments = dict(environments or {})
+        self.env_threads = serving.EnvironmentThreads(64)
+        self._loaded = Environments(PluginPolicy([]), CombinedReward([RewardFunctionCfg(name="exact_match")]))
         self.lose_state_at_version = lose_state_at_version
         self.vocab = vocab
         self.calls = Calls()
@@ -87,6 +103,23 @@ class FakeServices(RunServices):
                                           status=reward_pb2.SCORE_STATUS_OK) for item in req.items]
         return reward_pb2.ScoreResponse(results=results, reward_version="fake-reward")
 
+    def _environment(self, spec: environment_pb2.EnvironmentSpec) -> tuple[Environment, str]:
+        """A test environment by name, else what the reward application would load (nothing allow-listed)."""
+        cfg = EnvironmentCfg.from_proto(spec)
+        if cfg.name in self.environments:
+            return self.environments[cfg.name], f"fake-env-{cfg.name}"
+        return self._loaded.get(spec)[0], f"fake-env-{cfg.name}"
+
+    async def env_reset(self, req: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse:
+        self.calls.env_resets += 1
+        env, version = self._environment(req.environment)
+        return await self.env_threads.reset(env, version, req)
+
+    async def env_step(self, req: environment_pb2.StepRequest) -> environment_pb2.StepResponse:
+        self.calls.env_steps.append(req)
+        env, version = self._environment(req.environment)
+        return await self.env_threads.step(env, version, req)
+
     async def reference_logprobs(self, req: reference_pb2.LogProbsRequest) -> reference_pb2.LogProbsResponse:
         self.calls.reference += 1
         return reference_pb2.LogProbsResponse(sequences=[
@@ -113,6 +146,7 @@ class FakeServices(RunServices):
             raise AssertionError(f"step expects version {req.expected_weight_version}, learner at "
                                  f"{self.learner_version}")
         self.calls.train.append((req, batch.num_seqs))
+        self.calls.batches.append(batch)
         self.learner_version += 1
         return learner_pb2.TrainStepResponse(weight_version=self.learner_version, metrics={
             "loss/total": 0.5, "perf/learner_step_seconds": 0.001})

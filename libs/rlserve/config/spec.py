@@ -28,6 +28,7 @@ from rlserve.config.section import (
     MAX_NAME_CHARS,
     MAX_PATH_CHARS,
     MAX_PROMPTS_PER_STEP,
+    MAX_ROLLOUT_TURNS,
     MAX_SEED,
     MAX_SEQUENCE_LENGTH,
     MAX_STEPS,
@@ -39,6 +40,8 @@ from rlserve.config.section import (
     Section,
 )
 from rlserve.data.tasks import TASKS
+from rlserve.environments.config import BUILTIN_NAMES as ENVIRONMENTS
+from rlserve.environments.config import EnvironmentCfg
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
 
@@ -307,6 +310,10 @@ class GrpoCfg(Section):
     val_greedy: bool = True
     seed: Seed = 42
     async_grpo: AsyncGrpoCfg = AsyncGrpoCfg()
+    # Turns of an episode at most (NeMo-RL's key): generate -> environment step -> observation,
+    # until the environment says done, this many turns, or policy.max_total_sequence_length tokens.
+    # More than 1 needs an environment (env.enabled).
+    max_rollout_turns: int = Field(1, ge=1, le=MAX_ROLLOUT_TURNS)
 
     @model_validator(mode="before")
     @classmethod
@@ -348,6 +355,8 @@ class DataColumnsCfg(Section):
     # Preference files (algorithm: dpo): the preferred and the dispreferred response.
     chosen: str = Field("chosen", min_length=1, max_length=MAX_NAME_CHARS)
     rejected: str = Field("rejected", min_length=1, max_length=MAX_NAME_CHARS)
+    # A JSON object of per-row arguments for the environment (`Episode.env_args`).
+    env_args: str = Field("env_args", min_length=1, max_length=MAX_NAME_CHARS)
 
 
 # data.task values that read train_path/val_path instead of generating examples.
@@ -406,6 +415,15 @@ class DataCfg(Section):
         return self
 
 
+def _host_port(v: str | None) -> str | None:
+    if v is None:
+        return v
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port, got {v!r}")
+    return v
+
+
 class RewardCfg(Section):
     # Empty: the functions the reward service was deployed with.
     functions: list[RewardFunctionCfg] = Field([], max_length=16)
@@ -416,12 +434,60 @@ class RewardCfg(Section):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        host, sep, port = v.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"must be host:port, got {v!r}")
-        return v
+        return _host_port(v)
+
+
+class EnvCfg(Section):
+    """A multi-turn environment (`rlserve.environments`), served by the reward application or by an
+    external gRPC server implementing rlserve.v1.Environment. Off: each completion is scored once by
+    `reward.functions`, as before."""
+
+    enabled: bool = False
+    # A built-in (single_turn: the reward functions as an environment done after one step, scoring
+    # with reward.functions unless args.functions names others; guess_number) or any label when
+    # import_path is given.
+    name: str = Field("single_turn", min_length=1, max_length=MAX_NAME_CHARS)
+    # "package.module:Class" or "/path/file.py:Class" of an `Environment` subclass; only plug-ins
+    # the cluster file's reward.allowed_plugins lists.
+    import_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    # Keyword arguments of the environment's constructor (per-row arguments come from the data's
+    # env_args column).
+    args: dict[str, Any] = {}
+    # host:port of an external gRPC server implementing rlserve.v1.Environment (one the cluster
+    # file's reward.allowed_endpoints admits); unset: the reward application.
+    endpoint: str | None = Field(None, max_length=300)
+    # One Reset or Step call may take this long; an episode whose call takes longer is dropped
+    # (its group, counted as env_error) and the run goes on.
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    # Episodes in progress at once (each waits on its own generate and environment calls, so the
+    # engine keeps generating for the others while one waits on its environment).
+    max_concurrent_episodes: int = Field(256, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return _host_port(v)
+
+    @model_validator(mode="after")
+    def _known(self) -> EnvCfg:
+        if self.import_path is None and self.name not in ENVIRONMENTS and self.endpoint is None:
+            close = difflib.get_close_matches(self.name, ENVIRONMENTS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"env.name: unknown environment {self.name!r}{hint} (built-ins: "
+                             f"{', '.join(ENVIRONMENTS)}; or give env.import_path)")
+        try:
+            EnvironmentCfg(name=self.name, import_path=self.import_path, args=self.args)
+        except ValueError as err:
+            raise ValueError(f"env.args: {err}") from None
+        return self
+
+    def environment(self, reward_functions: list[RewardFunctionCfg]) -> EnvironmentCfg:
+        """The environment the Reset and Step requests name; `single_turn` without its own functions
+        scores with the run's reward.functions (none: the reward service's deployed ones)."""
+        args = dict(self.args)
+        if self.import_path is None and self.name == "single_turn" and "functions" not in args and reward_functions:
+            args["functions"] = [f.model_dump(mode="json") for f in reward_functions]
+        return EnvironmentCfg(name=self.name, import_path=self.import_path, args=args)
 
 
 class CheckpointingCfg(Section):
@@ -477,6 +543,7 @@ class RunSpec(Section):
     loss_fn: LossFnCfg = LossFnCfg()
     data: DataCfg = DataCfg()
     reward: RewardCfg = RewardCfg()
+    env: EnvCfg = EnvCfg()
     checkpointing: CheckpointingCfg = CheckpointingCfg()
     logger: LoggerCfg = LoggerCfg()
     cluster: ClusterCfg = ClusterCfg()
@@ -510,6 +577,9 @@ class RunSpec(Section):
                 f"policy.sequence_packing.train_mb_tokens: {self.policy.sequence_packing.train_mb_tokens} "
                 f"must hold one sequence of policy.max_total_sequence_length "
                 f"({self.policy.max_total_sequence_length})")
+        if self.grpo.max_rollout_turns > 1 and not self.env.enabled:
+            raise ValueError(f"grpo.max_rollout_turns: {self.grpo.max_rollout_turns} turns need an environment "
+                             f"that answers between them (env.enabled: true)")
         tp = self.policy.dtensor_cfg.tensor_parallel_size
         if self.policy.dtensor_cfg.enabled and self.cluster.num_workers % tp:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -14,6 +15,11 @@ from rlserve.data.tasks import Example, get_task
 class Splits:
     train: list[Example]
     val: list[Example]
+
+
+def _key(ex: Example) -> str:
+    """What makes two examples the same: the prompt, and the environment's arguments if any."""
+    return ex.prompt if not ex.env_args else f"{ex.prompt}\0{json.dumps(ex.env_args, sort_keys=True)}"
 
 
 def build_splits(cfg: DataCfg, max_train: int | None = None) -> Splits:
@@ -38,14 +44,14 @@ def build_splits(cfg: DataCfg, max_train: int | None = None) -> Splits:
     attempts = 0
     while len(val) < cfg.num_val and attempts < 50 * cfg.num_val:
         ex = task.example(rng)
-        val.setdefault(ex.prompt, ex)
+        val.setdefault(_key(ex), ex)
         attempts += 1
     train: list[Example] = []
     attempts = 0
     wanted = cfg.num_train if max_train is None else min(cfg.num_train, max_train)
     while len(train) < wanted and attempts < 50 * wanted:
         ex = task.example(rng)
-        if ex.prompt not in val:
+        if not task.held_out or _key(ex) not in val:
             train.append(ex)
         attempts += 1
     if not train:

@@ -3,7 +3,8 @@
 A row is `{prompt, answer}` or `{messages: [{role, content}, ...], answer}`, or a
 chat conversation that ends with the assistant's turn (`{messages: [..., {role:
 assistant, content}]}`: that turn is the answer, as in chat SFT files), with
-optional `metadata`. `data.columns` names the file's own columns for these fields
+optional `metadata` and `env_args` (a multi-turn environment's per-row arguments).
+`data.columns` names the file's own columns for these fields
 (`{prompt: question, answer: final_answer}` for a GSM8K-style file), so files
 exported from HF `datasets` load as they are; their other columns are kept in
 the example's metadata, where reward functions find them. Every error names the
@@ -82,14 +83,17 @@ def example_from_row(row: Any, where: str, columns: DataColumnsCfg, chat: bool) 
     metadata = row.get(columns.metadata) or {}
     if not isinstance(metadata, dict):
         raise ValueError(f"{where}: column {columns.metadata!r} must be an object")
-    used = {columns.prompt, columns.messages, columns.answer, columns.metadata}
+    env_args = row.get(columns.env_args) or {}
+    if not isinstance(env_args, dict):
+        raise ValueError(f"{where}: column {columns.env_args!r} must be an object (the environment's arguments)")
+    used = {columns.prompt, columns.messages, columns.answer, columns.metadata, columns.env_args}
     extra = {k: v for k, v in row.items() if k not in used}
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: the columns beyond the mapped ones are kept as metadata and must be JSON "
                          f"values: {err}") from None
-    return Example(prompt, answer, {**extra, **metadata}, messages)
+    return Example(prompt, answer, {**extra, **metadata}, messages, env_args)
 
 
 def jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:

@@ -6,6 +6,11 @@ renders the conversation with `add_generation_prompt`, and the rendered text is
 encoded without special tokens, because the template writes any BOS itself
 (this is what transformers' `apply_chat_template` does).
 
+A multi-turn episode is token-exact: what the engine generated stays as it
+was generated, and each environment observation is appended as tokens
+rendered from the new messages only (`observation_ids`), never by
+re-tokenizing the conversation's text.
+
 Chat models often end a turn with one token and a document with another
 (Llama-3.x-Instruct, Gemma-3 list both in `eos_token_id`); every one of them
 stops generation, and an SFT answer ends where the template ends the
@@ -75,6 +80,49 @@ class PromptTokenizer:
         if ex.messages is not None:
             raise ValueError("a 'messages' example needs data.prompt_format: chat")
         return self.tok.encode(ex.prompt, add_special_tokens=True)
+
+    # --- multi-turn episodes -------------------------------------------------------------------
+
+    def episode_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """An episode's first messages as the policy's prompt: the chat template with the generation
+        prompt, or (raw format) the messages' contents as plain text with the tokenizer's BOS."""
+        if self.prompt_format == "chat":
+            return self._render(messages, add_generation_prompt=True)
+        return self.tok.encode("".join(m["content"] for m in messages), add_special_tokens=True)
+
+    def observation_ids(self, messages: list[dict[str, str]], last_id: int) -> list[int]:
+        """The tokens that follow the policy's turn (whose last token was `last_id`): the template's end
+        of that turn, the observation `messages` and the next generation prompt (raw format: the
+        contents as plain text).
+
+        Only these messages are rendered, and their text is encoded on its own: the conversation's
+        earlier tokens stay exactly as generated. The template's text after an assistant message is
+        found on a probe conversation; when the policy's turn ended with an EOS id that the template
+        writes there itself (`<|im_end|>`), it is not written twice. The text then begins right after
+        a special token, so encoding it apart from the conversation gives the tokens the whole
+        conversation would have there.
+        """
+        if self.prompt_format != "chat":
+            return self.encode("".join(m["content"] for m in messages))
+        after, gap = self._turn_gap(messages)
+        if last_id in self.eos_ids:
+            ended = self.tok.convert_ids_to_tokens(last_id)
+            if after.startswith(ended):
+                after = after[len(ended):]
+        return self.encode(after + gap)
+
+    _PROBE = "rlserve-probe-7f3a"
+
+    def _turn_gap(self, messages: list[dict[str, str]]) -> tuple[str, str]:
+        """(the template's text after an assistant message's content, then the text the new messages and the
+        generation prompt add), from rendering a probe conversation with and without them."""
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": self._PROBE}]
+        base = self.tok.apply_chat_template(probe, add_generation_prompt=False, tokenize=False)
+        full = self.tok.apply_chat_template([*probe, *messages], add_generation_prompt=True, tokenize=False)
+        if not full.startswith(base) or self._PROBE not in base:
+            raise ValueError("the chat template does not render a conversation as a prefix of its continuation, "
+                             "so observations cannot be appended as tokens (use data.prompt_format: raw)")
+        return base[base.rindex(self._PROBE) + len(self._PROBE):], full[len(base):]
 
     def sft_ids(self, ex: Example) -> tuple[list[int], int]:
         """(prompt + answer + end token, prompt length) for supervised training on the answer.

@@ -23,12 +23,17 @@ class Example:
     metadata: dict[str, Any] = field(default_factory=dict)
     # A chat row's conversation ({"role", "content"} each), rendered by the chat template.
     messages: tuple[dict[str, str], ...] | None = None
+    # Per-row arguments for a multi-turn environment (`rlserve.environments.interfaces.Episode`).
+    env_args: dict[str, Any] = field(default_factory=dict)
 
 
 class Task:
     """A named generator of examples with typed arguments (`Args`)."""
 
     name: ClassVar[str]
+    # Training never sees a validation example. A task whose examples are few games of the same
+    # prompt (guess_number) validates on its distinct games and trains on games of the same kind.
+    held_out: ClassVar[bool] = True
 
     @dataclass(frozen=True)
     class Args:
@@ -175,7 +180,32 @@ class Sort(Reverse):
         return Example(f"sort:{word}=", "".join(sorted(word)))
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort)}
+class GuessNumber(Task):
+    """`guess my number from 1 to N.` for the `guess_number` environment, which holds the number
+    (`env_args.target`, also the answer) and answers each guess with "higher" or "lower". The prompt
+    is the same for every row, so an SFT warm start on the answers learns to guess a number in range
+    (uniformly), and only the environment's feedback can do better. Validation plays each distinct game
+    (target) once; training samples games of the same kind (a game has no held-out form but its target)."""
+
+    name = "guess_number"
+    held_out = False
+
+    @dataclass(frozen=True)
+    class Args:
+        max_number: int = 100
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        if not 2 <= args.max_number <= 1_000_000:
+            raise ValueError(f"max_number: must be in 2..1000000, got {args.max_number}")
+
+    def example(self, rng: random.Random) -> Example:
+        n = self.args.max_number
+        target = rng.randint(1, n)
+        return Example(f"guess my number from 1 to {n}.", str(target), {}, None, {"target": target, "max_number": n})
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort, GuessNumber)}
 
 
 def get_task(name: str, raw_args: dict[str, Any]) -> Task:

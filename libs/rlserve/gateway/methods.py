@@ -1,8 +1,9 @@
 """Every RPC of the rlserve.v1 services, which application serves it, and who may call it.
 
 Run-facing RPCs (the Coordinator service) are public: a user token reaches
-them, and they act for the caller (the gateway passes its principal). The services the coordinator calls by handle (Rollout, Reward,
-Reference, Learner) are internal: the gateway serves them only when the
+them, and they act for the caller (the gateway passes its principal). The services the coordinator
+calls by handle (Rollout, Reward, Environment, Reference, Learner) are internal: the gateway serves
+them only when the
 cluster file sets `expose_internal`, and then to admin tokens only.
 """
 
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from rlserve.v1 import coordinator_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
+from rlserve.v1 import coordinator_pb2, environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
 
 # proto service -> (module, application, public)
 _SERVICES = {
     "Coordinator": (coordinator_pb2, "coordinator", True),
     "Rollout": (rollout_pb2, "rollout", False),
     "Reward": (reward_pb2, "reward", False),
+    # The reward application also serves the environments.
+    "Environment": (environment_pb2, "reward", False),
     "Reference": (reference_pb2, "reference", False),
     "Learner": (learner_pb2, "learner", False),
 }

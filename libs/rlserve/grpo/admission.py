@@ -8,7 +8,8 @@ model (from its config alone), and the generation settings match the
 deployed rollout (filled in where unset). `preflight` runs off the request
 path, within the run manager's `preflight_timeout_s`, and checks what needs
 the model or the data: the architecture against the rollout's, prompt
-lengths on a bounded sample, the reward functions. A run that cannot work
+lengths on a bounded sample, the reward functions (or the environment: it
+starts an episode, and the chat template can append observations). A run that cannot work
 fails there with the field named, before it takes the learner.
 """
 
@@ -25,6 +26,9 @@ from rlserve.config import RunSpec
 from rlserve.data.dataset import build_splits
 from rlserve.data.preferences import build_preference_splits
 from rlserve.data.prompts import PromptTokenizer
+from rlserve.data.tasks import Example
+from rlserve.environments.loader import single_turn_functions
+from rlserve.grpo.episodes import episode_proto
 from rlserve.grpo.retry import RetryPolicy
 from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
 from rlserve.learner.lora import LoraMismatch, check_lora
@@ -35,13 +39,13 @@ from rlserve.rpc import failed_precondition, invalid_argument, permission_denied
 from rlserve.runs.manager import Admission
 from rlserve.security.paths import PathPolicy, RunAccess
 from rlserve.security.plugins import PluginPolicy
-from rlserve.v1 import reward_pb2, rollout_pb2
+from rlserve.v1 import environment_pb2, reward_pb2, rollout_pb2
 from rlserve.weights.specs import checkpoint_specs, fingerprint
 
 # Prompts whose length the preflight checks (the data set's first ones, and every validation prompt).
 PREFLIGHT_SAMPLE = 2000
-# Services for admission's own calls: (reward endpoint or None, retry policy) -> RunServices.
-Connect = Callable[[str | None, RetryPolicy], RunServices]
+# Services for admission's own calls: (reward endpoint or None, retry policy, environment endpoint or None).
+Connect = Callable[[str | None, RetryPolicy, str | None], RunServices]
 
 
 class GrpoAdmission(Admission):
@@ -70,7 +74,7 @@ class GrpoAdmission(Admission):
         except LoraMismatch as err:
             raise invalid_argument(f"spec_yaml: {err.field}", err.reason) from None
         self._confine_data(spec, paths)
-        services = self.connect(None, RetryPolicy(retries=1, timeout_s=30))
+        services = self.connect(None, RetryPolicy(retries=1, timeout_s=30), None)
         try:
             info = await services.rollout_info()
             capacity = await services.capacity()
@@ -121,11 +125,21 @@ class GrpoAdmission(Admission):
         for i, f in enumerate(spec.reward.functions):
             if f.import_path:
                 self.plugins.check(f"spec_yaml: reward.functions.{i}.import_path", f.import_path)
-        endpoint = spec.reward.endpoint
-        if endpoint and not any(fnmatch.fnmatchcase(endpoint, pat) for pat in self.allowed_endpoints):
-            raise permission_denied("spec_yaml: reward.endpoint", f"{endpoint!r} is not a reward server this "
-                                    f"cluster allows; an operator can add it to `reward.allowed_endpoints` "
-                                    f"in the cluster file")
+        env = spec.env
+        if env.import_path:
+            self.plugins.check("spec_yaml: env.import_path", env.import_path)
+        if env.import_path is None and env.name == "single_turn":
+            try:
+                functions = single_turn_functions(env.environment([]))
+            except ValueError as err:
+                raise invalid_argument("spec_yaml: env.args", str(err)) from None
+            for i, f in enumerate(functions):
+                if f.import_path:
+                    self.plugins.check(f"spec_yaml: env.args.functions.{i}.import_path", f.import_path)
+        for key, endpoint in (("reward.endpoint", spec.reward.endpoint), ("env.endpoint", env.endpoint)):
+            if endpoint and not any(fnmatch.fnmatchcase(endpoint, pat) for pat in self.allowed_endpoints):
+                raise permission_denied(f"spec_yaml: {key}", f"{endpoint!r} is not a server this cluster allows; "
+                                        f"an operator can add it to `reward.allowed_endpoints` in the cluster file")
 
     def _confine_data(self, spec: RunSpec, paths: PathPolicy) -> None:
         for key in ("train_path", "val_path"):
@@ -145,11 +159,13 @@ class GrpoAdmission(Admission):
             model = await asyncio.to_thread(resolve_model, spec.policy.model_name, spec.policy.model_seed)
         except ValueError as err:
             raise invalid_argument("policy.model_name", str(err).removeprefix("policy.model_name: ")) from None
+        example = None
         if spec.algorithm == "dpo":
             await self._check_preference_data(spec, model)
         else:
-            await self._check_prompt_lengths(spec, model)
-        services = self.connect(spec.reward.endpoint, RetryPolicy(retries=1, timeout_s=60))
+            example = await self._check_prompt_lengths(spec, model)
+        services = self.connect(spec.reward.endpoint, RetryPolicy(retries=1, timeout_s=60),
+                                spec.env.endpoint if spec.env.enabled else None)
         try:
             info = await services.rollout_info()
             served = await asyncio.to_thread(lambda: fingerprint(checkpoint_specs(model)))
@@ -160,9 +176,13 @@ class GrpoAdmission(Admission):
                 raise failed_precondition(f"policy.model_name: a LoRA run's adapters apply to the base model the "
                                           f"rollout serves ({info.model}); {spec.policy.model_name} is another "
                                           f"(a run with an SFT warm start brings its own base)")
-            await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
+            if spec.env.enabled and example is not None:
+                await self._check_environment(spec, services, example)
+            else:
+                await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
         except ServiceFailure as err:
-            raise failed_precondition(f"reward.functions or services: {err}") from None
+            raise failed_precondition(f"{'env' if spec.env.enabled else 'reward.functions'} or services: "
+                                      f"{err}") from None
         finally:
             await services.close()
 
@@ -185,7 +205,28 @@ class GrpoAdmission(Admission):
                                    f"{type(err).__name__}: {err}") from None
 
     @staticmethod
-    async def _check_prompt_lengths(spec: RunSpec, model: Path) -> None:
+    async def _check_environment(spec: RunSpec, services: RunServices, example: tuple[PromptTokenizer, Example]
+                                 ) -> None:
+        """The environment starts an episode of the first validation example, and the chat template can
+        append its observations as tokens."""
+        tok, ex = example
+        try:
+            await asyncio.to_thread(tok.observation_ids, [{"role": "user", "content": "x"}], tok.eos_ids[0])
+        except (ValueError, TemplateError) as err:
+            raise invalid_argument("data.prompt_format", f"multi-turn episodes need {err}") from None
+        try:
+            resp = await asyncio.wait_for(services.env_reset(environment_pb2.ResetRequest(
+                environment=spec.env.environment(spec.reward.functions).to_proto(),
+                episode=episode_proto(tok, ex, "preflight"))), spec.env.timeout_s)
+        except asyncio.TimeoutError:
+            raise failed_precondition(f"env: the environment's Reset took more than env.timeout_s "
+                                      f"({spec.env.timeout_s:g}s)") from None
+        if resp.status != environment_pb2.ENVIRONMENT_STATUS_OK:
+            raise failed_precondition(f"env: the environment cannot start an episode: {resp.error}")
+
+    @staticmethod
+    async def _check_prompt_lengths(spec: RunSpec, model: Path) -> tuple[PromptTokenizer, Example]:
+        """Every sampled prompt fits; returns the tokenizer and the first validation example."""
         try:
             # A bounded sample: the run builds the whole data set itself, in a worker thread.
             splits = await asyncio.to_thread(build_splits, spec.data, PREFLIGHT_SAMPLE)
@@ -206,3 +247,4 @@ class GrpoAdmission(Admission):
                                    f"a prompt of {longest} tokens + max_new_tokens "
                                    f"{spec.policy.generation.max_new_tokens} do not fit "
                                    f"{spec.policy.max_total_sequence_length}")
+        return tok, (splits.val or splits.train)[0]

@@ -19,7 +19,12 @@ from rlserve.grpo.staleness import StalenessBound
 
 @dataclass
 class Group:
-    """The samples of one prompt, scored (and with reference logprobs when the KL needs them)."""
+    """The samples of one prompt, scored (and with reference logprobs when the KL needs them).
+
+    Multi-turn episodes (`episodes.py`) fill the episode fields: a completion is everything after the
+    prompt (the policy's turns, the environment's observations and the template's turn markers), its
+    loss mask says which tokens are the policy's, and the reward is the episode's return.
+    """
 
     prompt_index: int  # position of the prompt in the run's data order (the data cursor)
     prompt_ids: list[int]
@@ -34,6 +39,14 @@ class Group:
     # and the largest newest-minus-oldest version of any sample.
     mixed_samples: int = 0
     version_spread: int = 0
+    # Multi-turn episodes: per sample, the loss mask over its completion, how it ended (done,
+    # max_turns, truncated), its turns and the environment's metrics; and the [reason, message] of
+    # each episode the environment failed (a group with any is dropped).
+    loss_masks: list[list[bool]] | None = None
+    endings: list[str] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    episode_metrics: list[dict[str, float]] = field(default_factory=list)
+    env_failures: list[list[str]] = field(default_factory=list)
 
     @property
     def size(self) -> int:

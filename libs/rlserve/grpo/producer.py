@@ -1,7 +1,8 @@
 """The producer: generates each step's groups as soon as the staleness bound allows.
 
 Step k's prompts are taken from the data cursor, generated, scored and (with
-a KL penalty) reference-scored, then committed to the `StepQueue` whole: the
+a KL penalty) reference-scored (or, with an environment, played as episodes of
+several turns: `episodes.py`), then committed to the `StepQueue` whole: the
 ledger counts them and the trainer may take them. With max_age 0 a step
 waits for the previous one to be trained (synchronous on-policy GRPO); with
 max_age >= 1 generation of step k overlaps training of step k - 1.
@@ -38,6 +39,7 @@ import torch
 
 from rlserve.algorithms.dynamic_sampling import zero_variance_groups
 from rlserve.data.tasks import Example
+from rlserve.grpo.episodes import episode_groups
 from rlserve.grpo.groups import Group, ProducedStep, StepQueue
 from rlserve.grpo.rollouts import BatchTimings, rollout_groups
 from rlserve.grpo.services import RunServices
@@ -73,6 +75,8 @@ class Producer:
         self.progress = progress
         streaming = inputs.spec.grpo.async_grpo
         self.limit = asyncio.Semaphore(max(1, streaming.max_prompts_in_flight // streaming.prompts_per_request))
+        # One scored completion per sample, or (env.enabled) an episode of several turns per sample.
+        self.rollout = episode_groups if inputs.spec.env.enabled else rollout_groups
 
     async def run_steps(self) -> None:
         """Produce every step up to grpo.max_num_steps (returns when the last one is committed)."""
@@ -97,14 +101,14 @@ class Producer:
         one request, or streaming requests of `prompts_per_request` prompts."""
         async_cfg = self.inputs.spec.grpo.async_grpo
         if not async_cfg.streaming:
-            return await rollout_groups(self.services, self.inputs, examples, first, step, self.run.version,
-                                        self.reference_model, offset=offset)
+            return await self.rollout(self.services, self.inputs, examples, first, step, self.run.version,
+                                      self.reference_model, offset=offset)
         per_request = async_cfg.prompts_per_request
 
         async def one(i: int) -> tuple[list[Group], str, BatchTimings]:
             async with self.limit:
-                return await rollout_groups(self.services, self.inputs, examples[i:i + per_request], first + i, step,
-                                            self.run.version, self.reference_model, offset=offset + i)
+                return await self.rollout(self.services, self.inputs, examples[i:i + per_request], first + i, step,
+                                          self.run.version, self.reference_model, offset=offset + i)
 
         parts = await asyncio.gather(*(one(i) for i in range(0, len(examples), per_request)))
         timings = BatchTimings()

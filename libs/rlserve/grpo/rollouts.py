@@ -29,13 +29,14 @@ class BatchTimings:
     score_compute_s: float = 0.0
     reference_s: float = 0.0
     reference_compute_s: float = 0.0
+    env_s: float = 0.0  # environment calls (Reset, Step) of multi-turn episodes
     # The newest activity each rollout replica reported.
     activity: Activity = field(default_factory=dict)
 
     def add(self, other: BatchTimings) -> None:
         """Fold in another call's timings (streaming: one per request; the sums are call seconds)."""
         for name in ("generate_s", "generate_engine_s", "score_s", "score_compute_s", "reference_s",
-                     "reference_compute_s"):
+                     "reference_compute_s", "env_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for replica, seen in other.activity.items():
             if seen[0] >= self.activity.get(replica, (-1.0, 0.0, 0.0))[0]:
@@ -43,6 +44,7 @@ class BatchTimings:
 
     def metrics(self) -> dict[str, float]:
         return {
+            **({"timing/env_s": self.env_s} if self.env_s else {}),
             "timing/generate_s": self.generate_s, "timing/reward_s": self.score_s,
             "timing/reference_s": self.reference_s,
             "plumbing/generate_s": self.generate_s - self.generate_engine_s,
@@ -71,11 +73,16 @@ async def generate(services: RunServices, inputs: RunInputs, prompts: list[list[
         run_id=inputs.run_id)
     t0 = time.perf_counter()
     resp = await services.generate(req)
-    timings.generate_s += time.perf_counter() - t0
+    record_generate(resp, time.perf_counter() - t0, timings)
+    return resp
+
+
+def record_generate(resp: rollout_pb2.GenerateResponse, seconds: float, timings: BatchTimings) -> None:
+    """A Generate call's seconds, the engine's share of them, and the replica's activity."""
+    timings.generate_s += seconds
     timings.generate_engine_s += resp.engine_seconds
     if resp.replica_id:
         timings.activity[resp.replica_id] = (resp.activity.uptime_s, resp.activity.idle_s, resp.activity.paused_s)
-    return resp
 
 
 def sample_versions(completion: rollout_pb2.Completion, default: int) -> tuple[int, int, int]:
@@ -138,15 +145,23 @@ async def rollout_groups(services: RunServices, inputs: RunInputs, examples: lis
             reward_errors=[r.error or "the reward service gave no message" for r in results
                            if r.status == reward_pb2.SCORE_STATUS_ERROR],
             mixed_samples=mixed, version_spread=spread))
-    if spec.reference_from_service:
-        t0 = time.perf_counter()
-        ref = await services.reference_logprobs(reference_pb2.LogProbsRequest(
-            model_path=str(reference_model), sequences=[
-                reference_pb2.ScoredSequence(token_ids=g.prompt_ids + c, prompt_length=len(g.prompt_ids))
-                for g in groups for c in g.completions]))
-        timings.reference_s += time.perf_counter() - t0
-        timings.reference_compute_s += ref.compute_seconds
-        it = iter(ref.sequences)
-        for g in groups:
-            g.ref_logprobs = [list(next(it).logprobs) for _ in g.completions]
+    await add_reference_logprobs(services, inputs, groups, reference_model, timings)
     return groups, scored.reward_version, timings
+
+
+async def add_reference_logprobs(services: RunServices, inputs: RunInputs, groups: list[Group], reference_model: Path,
+                                 timings: BatchTimings) -> None:
+    """The reference policy's logprobs of every completion token of `groups`, when the KL term needs them
+    from the reference service."""
+    if not groups or not inputs.spec.reference_from_service:
+        return
+    t0 = time.perf_counter()
+    ref = await services.reference_logprobs(reference_pb2.LogProbsRequest(
+        model_path=str(reference_model), sequences=[
+            reference_pb2.ScoredSequence(token_ids=g.prompt_ids + c, prompt_length=len(g.prompt_ids))
+            for g in groups for c in g.completions]))
+    timings.reference_s += time.perf_counter() - t0
+    timings.reference_compute_s += ref.compute_seconds
+    it = iter(ref.sequences)
+    for g in groups:
+        g.ref_logprobs = [list(next(it).logprobs) for _ in g.completions]

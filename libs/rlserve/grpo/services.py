@@ -1,6 +1,6 @@
 """The services a run talks to, as one typed protocol.
 
-The loop reaches the rollout, reward, reference and learner services only
+The loop reaches the rollout, reward (and environment), reference and learner services only
 through `RunServices`. The coordinator implements it with Serve handles
 (`services/coordinator/handles.py`: retries, the object store for the
 training batch); unit tests implement it in memory (`tests/support/
@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from rlserve.training.batch import TrainBatch
-from rlserve.v1 import learner_pb2, reference_pb2, reward_pb2, rollout_pb2
+from rlserve.v1 import environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
 
 
 class ServiceFailure(Exception):
@@ -50,6 +50,13 @@ class RunServices(ABC):
     # --- reward and reference -------------------------------------------------------
     @abstractmethod
     async def score(self, req: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse: ...
+
+    # --- environments (the reward application, or the run's env.endpoint) ---------------------
+    @abstractmethod
+    async def env_reset(self, req: environment_pb2.ResetRequest) -> environment_pb2.ResetResponse: ...
+
+    @abstractmethod
+    async def env_step(self, req: environment_pb2.StepRequest) -> environment_pb2.StepResponse: ...
 
     @abstractmethod
     async def reference_logprobs(self, req: reference_pb2.LogProbsRequest) -> reference_pb2.LogProbsResponse: ...

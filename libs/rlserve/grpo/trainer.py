@@ -1,7 +1,7 @@
 """The trainer: one GRPO step at a time, in order.
 
 A step takes the next produced step's groups; drops the stale ones (older
-than the bound), those a reward plug-in failed on, and (by default) those
+than the bound), those an environment or a reward plug-in failed on, and (by default) those
 whose samples all scored alike (after DAPO's overlong reward shaping, when
 on); computes advantages; trains on the rest; and
 publishes the new weights to the rollout engines. Every dropped trajectory is
@@ -24,6 +24,7 @@ from rlserve.algorithms.registry import advantage_estimator
 from rlserve.algorithms.reward_shaping import overlong_penalty
 from rlserve.config import RunSpec
 from rlserve.grpo.checkpoints import Checkpoints
+from rlserve.grpo.episodes import episode_metrics
 from rlserve.grpo.groups import Group, ProducedStep, StepQueue, summarize_errors
 from rlserve.grpo.services import RunServices
 from rlserve.grpo.state import Activity, ProducerState, RunInputs, TrainerState
@@ -54,8 +55,10 @@ def advantage_inputs(groups: list[Group], rewards: torch.Tensor, with_reference:
 
 
 def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool) -> TrainBatch:
-    """The learner's batch; `advantages` [G, n], or [G, n, T] from a token-level estimator."""
-    seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps = [], [], [], [], [], []
+    """One sequence per sample: its prompt and completion tokens exactly as generated (episodes: with the
+    observations between turns, which their loss mask leaves out of the loss); `advantages` [G, n], or
+    [G, n, T] from a token-level estimator."""
+    seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps, masks = [], [], [], [], [], [], []
     per_token = advantages.dim() == 3
     for g, adv in zip(groups, advantages.tolist()):
         for j, completion in enumerate(g.completions):
@@ -66,11 +69,13 @@ def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: b
             else:
                 advs.append(adv[j])
             gen_lps.append(g.gen_logprobs[j])
+            masks.append(g.loss_masks[j] if g.loss_masks is not None else [True] * len(completion))
             if with_reference:
                 ref_lps.append(g.ref_logprobs[j])
     return TrainBatch.from_sequences(seqs, prompt_lens, None if per_token else advs, gen_lps,
                                      ref_lps if with_reference else None,
-                                     token_advantages=token_advs if per_token else None)
+                                     token_advantages=token_advs if per_token else None,
+                                     loss_mask=masks if any(g.loss_masks is not None for g in groups) else None)
 
 
 def shaped_rewards(groups: list[Group], rewards: torch.Tensor, spec: RunSpec) -> tuple[torch.Tensor, dict[str, float]]:
@@ -96,12 +101,16 @@ def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
 
 
 def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:
-    """Completion lengths: RL batches are long-tailed, and the longest sample sets a synchronous step's pace."""
-    lengths = [len(c) for g in groups for c in g.completions]
+    """Completion lengths: RL batches are long-tailed, and the longest sample sets a synchronous step's pace.
+    An episode's length is its policy's tokens over all its turns (its cut turns: episode/truncated_fraction)."""
+    lengths = [sum(m) for g in groups for m in g.loss_masks] if groups and groups[0].loss_masks is not None \
+        else [len(c) for g in groups for c in g.completions]
     if not lengths:
         return {}
-    return {"completion/tokens_mean": sum(lengths) / len(lengths), "completion/tokens_max": float(max(lengths)),
-            "completion/clipped_fraction": sum(n >= max_new_tokens for n in lengths) / len(lengths)}
+    out = {"completion/tokens_mean": sum(lengths) / len(lengths), "completion/tokens_max": float(max(lengths))}
+    if groups[0].loss_masks is None:
+        out["completion/clipped_fraction"] = sum(n >= max_new_tokens for n in lengths) / len(lengths)
+    return out
 
 
 def engine_idle(seen: Activity, before: Activity) -> dict[str, float]:
@@ -143,6 +152,12 @@ class Trainer:
         fresh = [g for g in produced.groups if bound.is_fresh(version, g.weight_version)]
         stale = [g for g in produced.groups if not bound.is_fresh(version, g.weight_version)]
         dropped = Counter({"stale": self._drop(stale, "stale")})
+        env_failed = [g for g in fresh if g.env_failures]
+        for reason in sorted({g.env_failures[0][0] for g in env_failed}):
+            mine = [g for g in env_failed if g.env_failures[0][0] == reason]
+            dropped[reason] = self._drop(mine, reason, summarize_errors(
+                [msg for g in mine for _, msg in g.env_failures], ERROR_MESSAGES_PER_STEP))
+        fresh = [g for g in fresh if not g.env_failures]
         errored = [g for g in fresh if g.reward_errors]
         dropped["reward_error"] = self._drop(errored, "reward_error", summarize_errors(
             [m for g in errored for m in g.reward_errors], ERROR_MESSAGES_PER_STEP))
@@ -158,6 +173,7 @@ class Trainer:
                    "data/cursor": float(produced.data_cursor),
                    "timing/wait_for_rollouts_s": wait_s,
                    **completion_metrics(fresh, spec.policy.generation.max_new_tokens),
+                   **episode_metrics(fresh),
                    **engine_idle(seen, self.state.activity_mark)}
         self.state.activity_mark = seen
 

@@ -1,4 +1,5 @@
-"""Held-out validation: mean reward on the validation prompts, one sample each.
+"""Held-out validation: mean reward on the validation prompts, one sample each (with an environment:
+the mean return of one episode each, with how the episodes ended and the environment's metrics).
 
 Greedy by default (`grpo.val_greedy`), so before/after numbers of a run are comparable.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from rlserve.grpo.episodes import evaluate_episodes
 from rlserve.grpo.groups import summarize_errors
 from rlserve.grpo.rollouts import BatchTimings, generate, score, score_items
 from rlserve.grpo.services import RunServices
@@ -19,6 +21,8 @@ from rlserve.v1 import reward_pb2
 
 async def evaluate(services: RunServices, inputs: RunInputs, min_version: int) -> tuple[dict[str, float], list[str]]:
     """Metrics (`val/reward` is NaN when no item could be scored) and the reward plug-ins' error messages."""
+    if inputs.spec.env.enabled:
+        return await evaluate_episodes(services, inputs, min_version)
     spec, examples = inputs.spec, list(inputs.val)
     timings = BatchTimings()
     gen = await generate(services, inputs, [inputs.tok.prompt_ids(ex) for ex in examples], 1,

@@ -33,6 +33,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The tasks whose text trains the merges (fixed: a task added later must not change the tokenizer,
+# and so the `tiny-chat` preset, of earlier runs).
+_TRAINING_TASKS = ("addition", "multiplication", "countdown", "reverse", "sort")
+
 _WORDS = ("the answer is sum of and what number plus times minus reverse sort letters word write digits "
           "compute result question please solve step first then total each how many make from using "
           "system user assistant you are a helpful careful math tutor give only final").split()
@@ -41,7 +45,7 @@ _WORDS = ("the answer is sum of and what number plus times minus reverse sort le
 def training_text(seed: int = 0, n: int = 20000) -> list[str]:
     """Deterministic text: task prompts with answers, chat turns, and word sequences."""
     rng = random.Random(seed)
-    tasks = [cls(cls.parse_args({})) for cls in TASKS.values()]
+    tasks = [TASKS[name](TASKS[name].parse_args({})) for name in _TRAINING_TASKS]
     lines = []
     for i in range(n):
         ex = tasks[i % len(tasks)].example(rng)

@@ -17,7 +17,7 @@ from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.interfaces import RewardInput, RewardOutput
 
 
-def _import(import_path: str) -> Any:
+def import_object(import_path: str) -> Any:
     """`pkg.module:attr` or `/path/file.py:attr` (attr defaults to `reward`)."""
     target, _, attr = import_path.partition(":")
     attr = attr or "reward"
@@ -44,7 +44,7 @@ def _import(import_path: str) -> Any:
 
 def load_function(spec: RewardFunctionCfg) -> Callable[[RewardInput], RewardOutput]:
     """Instantiate one reward function; classes get `args` as keyword arguments."""
-    obj = _import(spec.import_path) if spec.import_path else BUILTINS.get(spec.name)
+    obj = import_object(spec.import_path) if spec.import_path else BUILTINS.get(spec.name)
     if obj is None:
         raise ValueError(f"unknown reward function {spec.name!r}: not a built-in ({', '.join(BUILTINS)}) "
                          f"and no import_path given")

@@ -2,7 +2,10 @@
 rank cuts its share into padded or packed micro-batches.
 
 A `TrainBatch` stores sequences back to back (flat tensors plus lengths), so
-it pickles as a handful of tensors. A `MicroBatch` is what one forward pass
+it pickles as a handful of tensors. Everything after a sequence's prompt is its
+completion; the loss mask says which completion tokens the loss counts (a
+multi-turn episode's own tokens, not the environment's observations and the
+chat template's turn markers between them, which are context only). A `MicroBatch` is what one forward pass
 eats; its completion tokens, gathered row-major, line up with the flat
 per-token vectors the loss functions take.
 """
@@ -49,6 +52,8 @@ class TrainBatch:
                 if per_tok is not None and len(per_tok[i]) != len(ids) - p:
                     raise ValueError(f"sequences[{i}].{name}: {len(per_tok[i])} values for "
                                      f"{len(ids) - p} completion tokens")
+            if loss_mask is not None and not any(loss_mask[i]):
+                raise ValueError(f"sequences[{i}].loss_mask: no completion token is trained")
 
         def flat(rows: list[list[float]] | None) -> torch.Tensor | None:
             return None if rows is None else torch.tensor([v for r in rows for v in r], dtype=torch.float32)

@@ -63,16 +63,16 @@ class StepObjective:
     def micro_batch_loss(self, k: int, mb: MicroBatch, curr: torch.Tensor, prev: torch.Tensor | None,
                          entropy: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of micro-batch `mb` of minibatch `k`, divided by the minibatch's global count."""
+        mask = torch.ones_like(curr) if mb.loss_mask is None else mb.loss_mask.to(curr.dtype)
         inputs = LossInputs(curr_logprobs=curr, prev_logprobs=curr.detach() if prev is None else prev,
                             gen_logprobs=mb.gen_logprobs,
                             ref_logprobs=mb.ref_logprobs if self.loss.needs_reference_logprobs else None,
-                            advantages=mb.advantages,
-                            mask=torch.ones_like(curr) if mb.loss_mask is None else mb.loss_mask.to(curr.dtype),
+                            advantages=mb.advantages, mask=mask,
                             seq_index=mb.seq_index,
                             num_seqs=mb.num_seqs)
         loss, sums = self.loss(inputs, self.normalizers[k])
         if entropy is not None:
-            sums["entropy_sum"] = entropy.detach().float().sum()
+            sums["entropy_sum"] = (entropy.detach().float() * mask).sum()
         self._sums.append(sums)
         return loss
 

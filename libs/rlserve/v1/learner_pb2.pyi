@@ -33,20 +33,22 @@ class ConfigureResponse(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., world_size: _Optional[int] = ..., parallel_layout: _Optional[str] = ..., num_parameters: _Optional[int] = ..., weight_version: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class TrainSequence(_message.Message):
-    __slots__ = ("token_ids", "prompt_length", "advantage", "generator_logprobs", "reference_logprobs", "token_advantages")
+    __slots__ = ("token_ids", "prompt_length", "advantage", "generator_logprobs", "reference_logprobs", "token_advantages", "loss_mask")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_length: int
     advantage: float
     generator_logprobs: _containers.RepeatedScalarFieldContainer[float]
     reference_logprobs: _containers.RepeatedScalarFieldContainer[float]
     token_advantages: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., advantage: _Optional[float] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt_length: _Optional[int] = ..., advantage: _Optional[float] = ..., generator_logprobs: _Optional[_Iterable[float]] = ..., reference_logprobs: _Optional[_Iterable[float]] = ..., token_advantages: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("run_id", "loss_name", "sequences", "learning_rate", "expected_weight_version")

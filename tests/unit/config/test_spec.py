@@ -75,9 +75,25 @@ def test_bad_value_names_path():
     ({"algorithm": "ppo"}, "algorithm"),
     ({"grpo": {"num_prompts_per_step": 4096, "num_generations_per_prompt": 16, "use_dynamic_sampling": True,
                "batch_multiplier": 2}}, "grpo.batch_multiplier"),
+    ({"grpo": {"max_rollout_turns": 4}}, "grpo.max_rollout_turns"),
+    ({"env": {"enabled": True, "name": "chess"}}, "env.name"),
+    ({"env": {"enabled": True, "endpoint": "nohost"}}, "env.endpoint"),
+    ({"env": {"enabled": True, "timeout_s": 0}}, "env.timeout_s"),
+    ({"env": {"enabled": True, "args": {"x": float("nan")}}}, "env.args"),
 ])
 def test_cross_field_errors_name_the_key(data, path):
     assert problems(data)[0].startswith(path + ":")
+
+
+def test_an_environment_spec_and_its_defaults():
+    spec = parse_spec({"env": {"enabled": True, "name": "guess_number", "args": {"max_number": 8}},
+                       "grpo": {"max_rollout_turns": 5}})
+    assert spec.grpo.max_rollout_turns == 5 and spec.env.timeout_s == 30.0
+    assert spec.env.environment([]).args == {"max_number": 8}
+    # single_turn scores with the run's reward functions unless it names its own.
+    one = parse_spec({"env": {"enabled": True}, "reward": {"functions": [{"name": "format"}]}})
+    assert one.env.environment(one.reward.functions).args["functions"][0]["name"] == "format"
+    assert parse_spec({}).grpo.max_rollout_turns == 1 and not parse_spec({}).env.enabled
 
 
 def test_megatron_enabled_alone_switches_backend():

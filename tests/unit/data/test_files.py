@@ -77,6 +77,18 @@ def test_bad_rows_name_the_file_line_and_column(tmp_path, row, message):
         load_examples(path, cfg(path, prompt_format="chat", columns={"prompt": "question", "answer": "final_answer"}))
 
 
+def test_rows_carry_initial_messages_and_environment_arguments(tmp_path):
+    path = write_jsonl(tmp_path / "env.jsonl", [
+        {"messages": CHAT, "answer": "4", "env_args": {"target": 4, "max_number": 9}},
+        {"prompt": "guess", "answer": "2"}])
+    chat, plain = load_examples(path, cfg(path, prompt_format="chat"))
+    assert chat.messages == tuple(CHAT) and chat.env_args == {"target": 4, "max_number": 9}
+    assert plain.env_args == {} and "env_args" not in chat.metadata
+    bad = write_jsonl(tmp_path / "bad_env.jsonl", [{"prompt": "p", "answer": "1", "env_args": [1]}])
+    with pytest.raises(ValueError, match=r"bad_env.jsonl:1: column 'env_args' must be an object"):
+        load_examples(bad, cfg(bad))
+
+
 def test_bad_files_are_named(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"prompt": "a", "answer": "b"}\n{oops\n')
     with pytest.raises(ValueError, match=r"x.jsonl:2: not valid JSON"):

@@ -118,11 +118,20 @@ def test_a_run_cancelled_before_its_task_starts_ends_cancelled(tmp_path):
     good and held the queue behind it."""
     async def main():
         m = manager(tmp_path)
+        m.admission.go.clear()
         first = await m.submit(SPEC, "first", False, SYSTEM)
         second = await m.submit(SPEC, "second", False, SYSTEM)
-        while first.state != pb.RUN_STATE_RUNNING:
-            await asyncio.sleep(0)
-        m.cancel("first", SYSTEM)  # the same tick the task was created in: it has not taken a step
+        started = first.set_state
+
+        def set_state(state, *args, **kwargs):
+            started(state, *args, **kwargs)
+            if state == pb.RUN_STATE_RUNNING:
+                # Queued before the task's first step (create_task follows set_state): the cancel lands
+                # after the task exists and before it runs, whatever the event loop's timing.
+                asyncio.get_running_loop().call_soon(m.cancel, "first", SYSTEM)
+
+        first.set_state = set_state
+        m.admission.go.set()
         assert (await until_done(m, "first")).state == pb.RUN_STATE_CANCELLED
         assert (await until_done(m, "second")).state == pb.RUN_STATE_SUCCEEDED
         assert first.ledger.balanced() and second.ledger.balanced()
