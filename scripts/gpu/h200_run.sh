@@ -29,8 +29,10 @@ run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME
   kill "$sampler"
   tail -25 "$out/$name.log"
   run_dir=$(ls -td runs/*/ 2>/dev/null | head -1)
-  tar czf "$out/$name.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*token*' \
-      ${run_dir:+"$run_dir"} runs/.cluster/*.log 2>/dev/null
+  # The run's records, not its weights, checkpoints or tokens (a 1b run's folder is gigabytes).
+  [[ -n $run_dir ]] && cp "$run_dir/metrics.jsonl" "$out/$name-metrics.jsonl"
+  tar czf "$out/$name.tgz" ${run_dir:+"$run_dir"/*.jsonl "$run_dir"/run.json "$run_dir"/spec.yaml} \
+      runs/.cluster/*.log 2>/dev/null
 }
 
 for stage in "$@"; do
