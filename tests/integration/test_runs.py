@@ -47,6 +47,10 @@ def test_short_run_completes_with_a_balanced_ledger(client):
     assert [int(ev.step) for ev in events if ev.kind == pb.EVENT_KIND_STEP] == [1, 2, 3]
     assert all(m["batch/staleness_max"] == 0 for m in steps)
     assert "loss/total" in steps[0] and "timing/generate_s" in steps[0] and "val/reward" in steps[-1]
+    usage = run.usage  # the sum of the steps' spend; every completion has at least one token
+    assert usage.generated_tokens == sum(m["usage/generated_tokens"] for m in steps) >= run.ledger.generated
+    assert usage.trained_tokens == sum(m["usage/trained_tokens"] for m in steps) > 0
+    assert usage.training_device_seconds > 0 and usage.generation_device_seconds > 0
     run_dir = Path(run.run_dir)
     for name in ("spec.yaml", "run.json", "events.jsonl", "metrics.jsonl", "reward_curve.png",
                  "checkpoints/step_000002/coordinator.json", "final_model/model.safetensors"):
@@ -197,6 +201,9 @@ def test_cli_submit_watch_and_runs(test_cluster, tmp_path):
     listed = subprocess.run([cli, "runs", "list", "--endpoint", test_cluster.endpoint], capture_output=True,
                             text=True)
     assert "itest-cli" in listed.stdout
+    spent = subprocess.run([cli, "runs", "usage", "--endpoint", test_cluster.endpoint], capture_output=True,
+                           text=True)
+    assert spent.returncode == 0 and "itest-cli" in spent.stdout and "total of " in spent.stdout, spent.stderr
     missing = subprocess.run([cli, "runs", "get", "nope", "--endpoint", test_cluster.endpoint], capture_output=True,
                              text=True)
     assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr

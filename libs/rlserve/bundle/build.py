@@ -32,11 +32,9 @@ from pathlib import Path
 from rlserve.bundle.trim import RAY_STRIP, RAY_TRIM, trim_wheel
 
 try:
-    from packaging.markers import Marker
     from packaging.requirements import Requirement
     from packaging.version import Version
 except ImportError:  # pip vendors it
-    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
     from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
     from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
 

@@ -1,4 +1,4 @@
-"""Client commands over gRPC: `rlserve submit` and `rlserve runs list|get|cancel|watch`."""
+"""Client commands over gRPC: `rlserve submit` and `rlserve runs list|get|cancel|watch|usage`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from rlserve.clients.coordinator import CoordinatorClient, default_endpoint
+from rlserve.runs.usage import Usage
 from rlserve.v1 import coordinator_pb2 as pb
 
 _STATE = {v: pb.RunState.Name(v).removeprefix("RUN_STATE_").lower() for v in pb.RunState.values()}
@@ -25,11 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _connection_args(p)
     p.set_defaults(func=submit)
 
-    runs = sub.add_parser("runs", help="list, inspect, cancel or watch runs")
-    runs.add_argument("action", choices=["list", "get", "cancel", "watch"])
+    runs = sub.add_parser("runs", help="list, inspect, cancel or watch runs, or show what they spent")
+    runs.add_argument("action", choices=["list", "get", "cancel", "watch", "usage"])
     runs.add_argument("run_id", nargs="?")
     _connection_args(runs)
     runs.add_argument("-v", "--verbose", action="store_true", help="watch: print every event")
+    runs.add_argument("--user", help="usage: only this user's runs (an admin sees every user's; a user, their own)")
     runs.set_defaults(func=runs_cmd)
 
 
@@ -87,6 +89,8 @@ def _describe(run: pb.Run) -> str:
              f"  run directory: {run.run_dir}"]
     if run.owner:  # empty from a coordinator older than owners
         lines.append(f"  owner: {run.owner}")
+    if run.HasField("usage"):
+        lines.append(f"  usage: {_spend(Usage.from_proto(run.usage))}")
     if run.error:
         lines.append(f"  error: {run.error}")
     if run.final_model_path:
@@ -94,6 +98,29 @@ def _describe(run: pb.Run) -> str:
     if run.plot_path:
         lines.append(f"  reward plot: {run.plot_path}")
     return "\n".join(lines)
+
+
+def _spend(u: Usage) -> str:
+    return (f"generated {u.generated_tokens} tokens, trained {u.trained_tokens} tokens, generation "
+            f"{u.generation_device_seconds:.1f} device-s, training {u.training_device_seconds:.1f} device-s")
+
+
+def usage(runs: list[pb.Run], user: str | None) -> str:
+    """Each run's spend, then each user's total (the runs the caller may see: an admin's are everyone's)."""
+    runs = [r for r in runs if user is None or r.owner == user]
+    rows = [("run", "owner", "generated tokens", "trained tokens", "generation device-s", "training device-s")]
+    totals: dict[str, Usage] = {}
+    for run in sorted(runs, key=lambda r: (r.owner, r.created_unix)):
+        u = Usage.from_proto(run.usage)
+        totals.setdefault(run.owner, Usage()).add(u)
+        rows.append((run.run_id, run.owner, str(u.generated_tokens), str(u.trained_tokens),
+                     f"{u.generation_device_seconds:.1f}", f"{u.training_device_seconds:.1f}"))
+    for owner, u in sorted(totals.items()):
+        rows.append((f"total of {owner or '(no owner)'}", owner, str(u.generated_tokens), str(u.trained_tokens),
+                     f"{u.generation_device_seconds:.1f}", f"{u.training_device_seconds:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
 
 
 def watch(client: CoordinatorClient, run_id: str, verbose: bool) -> int:
@@ -128,7 +155,7 @@ def watch(client: CoordinatorClient, run_id: str, verbose: bool) -> int:
 
 
 def runs_cmd(args: argparse.Namespace) -> int:
-    if args.action != "list" and not args.run_id:
+    if args.action not in ("list", "usage") and not args.run_id:
         print(f"rlserve: runs {args.action} needs a RUN_ID", file=sys.stderr)
         return 2
     client = _client(args)
@@ -140,6 +167,9 @@ def runs_cmd(args: argparse.Namespace) -> int:
                 for run in client.list():
                     owner = f"  {run.owner}" if run.owner else ""  # a user lists their own runs, an admin everyone's
                     print(f"{run.run_id:<40} {_STATE[run.state]:<10} step {run.step}/{run.max_steps}{owner}")
+                return 0
+            if args.action == "usage":
+                print(usage(client.list(), args.user))
                 return 0
             if args.action == "get":
                 print(_describe(client.get(args.run_id)))

@@ -52,6 +52,13 @@ class Group:
     def size(self) -> int:
         return len(self.completions)
 
+    @property
+    def generated_tokens(self) -> int:
+        """The policy's own tokens (an episode's observations between its turns are the environment's)."""
+        if self.loss_masks is not None:
+            return sum(sum(m) for m in self.loss_masks)
+        return sum(len(c) for c in self.completions)
+
 
 @dataclass
 class ProducedStep:

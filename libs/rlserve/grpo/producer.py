@@ -158,9 +158,11 @@ class Producer:
     def _commit(self, rollouts: StepRollouts) -> None:
         """Count and queue one step (its drops counted too). Synchronous, so a checkpoint sees all or nothing."""
         state, ledger = self.state, self.run.ledger
-        produced = ProducedStep(rollouts.step, rollouts.groups, {**rollouts.timings.metrics(), **rollouts.metrics},
-                                rollouts.first)
-        ledger.generate(produced.size + sum(g.size for groups in rollouts.drops.values() for g in groups))
+        every = rollouts.groups + [g for groups in rollouts.drops.values() for g in groups]
+        produced = ProducedStep(rollouts.step, rollouts.groups, {
+            **rollouts.timings.metrics(), **rollouts.metrics,
+            "usage/generated_tokens": float(sum(g.generated_tokens for g in every))}, rollouts.first)
+        ledger.generate(sum(g.size for g in every))
         for reason, groups in rollouts.drops.items():
             if groups:
                 n = sum(g.size for g in groups)

@@ -12,6 +12,7 @@ reference policy, as for full-parameter runs.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,7 @@ async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, syn
     sampler = PromptSampler(list(inputs.train), inputs.spec.data.seed + 1)
     reward = 0.0
     version = 0
+    spent: Counter[str] = Counter()  # usage/* of the steps since the last event (`rlserve.runs.usage`)
     for i in range(cfg.max_num_steps):
         examples = sampler.take(cfg.batch_size)
         # The assistant's tokens, as an algorithm: sft run trains them (rlserve.supervised.batches).
@@ -45,6 +47,7 @@ async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, syn
         result = await services.train_step(learner_pb2.TrainStepRequest(
             run_id=run.run_id, loss_name="sft", learning_rate=cfg.lr, expected_weight_version=version), built.batch)
         version = result.weight_version
+        spent.update({k: v for k, v in result.metrics.items() if k.startswith("usage/")})
         progress()
         if (i + 1) % cfg.val_period and i + 1 < cfg.max_num_steps:
             continue
@@ -53,7 +56,9 @@ async def sft_warm_start(inputs: RunInputs, run: Run, services: RunServices, syn
         reward = val["val/reward"]
         run.emit(pb.EVENT_KIND_VALIDATION, f"SFT step {i + 1}: loss {result.metrics.get('loss/total', 0):.3f}, "
                  f"held-out reward {reward:.3f}", {"sft/loss": result.metrics.get("loss/total", 0.0),
-                                                   "sft/val_reward": reward, "sft/step": float(i + 1)})
+                                                   "sft/val_reward": reward, "sft/step": float(i + 1),
+                                                   **spent})
+        spent.clear()
         if cfg.stop_at_val_reward is not None and reward >= cfg.stop_at_val_reward:
             break
     await services.save_checkpoint(learner_pb2.SaveCheckpointRequest(

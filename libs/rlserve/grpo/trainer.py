@@ -114,10 +114,13 @@ def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, fl
 
 
 def engine_idle(seen: Activity, before: Activity) -> dict[str, float]:
-    """The rollout engines' idle share between two marks (replicas seen at both), and the part of it
-    weight updates held them."""
+    """The rollout engines' idle share between two marks (replicas seen at both), the part of it
+    weight updates held them, and their busy seconds (the run's generation device-seconds)."""
     up, idle, paused = (sum(seen[r][i] - before[r][i] for r in seen if r in before) for i in range(3))
-    return {"engine/idle_fraction": idle / up, "engine/paused_fraction": paused / up} if up > 0 else {}
+    if up <= 0:
+        return {}
+    return {"engine/idle_fraction": idle / up, "engine/paused_fraction": paused / up,
+            "usage/generation_device_s": up - idle}
 
 
 class Trainer:
@@ -175,6 +178,9 @@ class Trainer:
                    **completion_metrics(fresh, spec.policy.generation.max_new_tokens),
                    **episode_metrics(fresh),
                    **engine_idle(seen, self.state.activity_mark)}
+        if "usage/generation_device_s" not in metrics:  # no earlier mark (the run's first step): the calls' engine time
+            metrics["usage/generation_device_s"] = produced.metrics.get("timing/generate_s", 0.0) - \
+                produced.metrics.get("plumbing/generate_s", 0.0)
         self.state.activity_mark = seen
 
         # 2. Advantages; groups whose samples all scored alike (after reward shaping) carry no signal.

@@ -95,6 +95,8 @@ class LearnerBackend(ABC):
         elapsed = time.perf_counter() - t0
         metrics["perf/learner_step_seconds"] = elapsed
         metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
+        metrics["usage/trained_tokens"] = float(objective.total_tokens)
+        metrics["usage/training_device_s"] = elapsed * (dist.get_world_size() if dist.is_initialized() else 1)
         return StepResult(self._version, metrics)
 
     @abstractmethod

@@ -20,6 +20,7 @@ from rlserve.config import RunSpec, load_spec
 from rlserve.logs import event
 from rlserve.runs.ledger import Ledger
 from rlserve.runs.recorder import Recorder
+from rlserve.runs.usage import Usage
 from rlserve.security.principal import LEGACY_USER
 from rlserve.v1 import coordinator_pb2 as pb
 
@@ -43,6 +44,7 @@ class Run:
         self.version = 0
         self.error = ""
         self.ledger = Ledger()
+        self.usage = Usage()  # what its steps spent (`rlserve.runs.usage`)
         self.last_metrics: dict[str, float] = {}
         self.created = self.updated = time.time()
         self.final_model_path = ""
@@ -74,6 +76,7 @@ class Run:
                          metrics=metrics or {}, state=self.state)
         self.events.append(ev)
         self.updated = ev.time_unix
+        self.usage.add_step(ev.metrics)
         self.recorder.append("events.jsonl", {"seq": ev.sequence, "time": ev.time_unix, "step": ev.step,
                                               "kind": _KIND_NAMES[kind], "state": STATE_NAMES[self.state],
                                               "message": message, "metrics": dict(ev.metrics)})
@@ -140,7 +143,7 @@ class Run:
                       error=self.error, ledger=self.ledger.to_proto(), last_metrics=self.last_metrics,
                       created_unix=self.created, updated_unix=self.updated,
                       final_model_path=self.final_model_path, plot_path=self.plot_path,
-                      owner=self.owner)
+                      owner=self.owner, usage=self.usage.to_proto())
 
     @classmethod
     def from_disk(cls, run_dir: Path) -> Run:
@@ -158,6 +161,7 @@ class Run:
         run._load_events()
         # run.json may lag the event log (see `Ledger.as_announced`): the events are the record.
         run.ledger = Ledger.from_dict(info["ledger"]).as_announced(run.events)
+        run.usage = Usage.from_events(run.events)
         run.step = next((ev.step for ev in reversed(run.events)
                          if ev.kind in (pb.EVENT_KIND_STEP, pb.EVENT_KIND_RECOVERED)), run.step)
         return run
@@ -169,4 +173,4 @@ class Run:
             "weight_version": self.version, "error": self.error, "ledger": self.ledger.to_dict(),
             "created": self.created, "updated": self.updated, "final_model_path": self.final_model_path,
             "plot_path": self.plot_path, "last_metrics": self.last_metrics,
-            "owner": self.owner})
+            "owner": self.owner, "usage": self.usage.to_dict()})

@@ -75,7 +75,7 @@ class Ledger(_message.Message):
     def __init__(self, generated: _Optional[int] = ..., scored: _Optional[int] = ..., trained: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "name", "state", "step", "max_steps", "weight_version", "run_dir", "error", "ledger", "last_metrics", "created_unix", "updated_unix", "final_model_path", "plot_path", "owner")
+    __slots__ = ("run_id", "name", "state", "step", "max_steps", "weight_version", "run_dir", "error", "ledger", "last_metrics", "created_unix", "updated_unix", "final_model_path", "plot_path", "owner", "usage")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Run(_message.Message):
     FINAL_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     PLOT_PATH_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     name: str
     state: RunState
@@ -113,7 +114,20 @@ class Run(_message.Message):
     final_model_path: str
     plot_path: str
     owner: str
-    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., max_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., run_dir: _Optional[str] = ..., error: _Optional[str] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., final_model_path: _Optional[str] = ..., plot_path: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    usage: Usage
+    def __init__(self, run_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., step: _Optional[int] = ..., max_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., run_dir: _Optional[str] = ..., error: _Optional[str] = ..., ledger: _Optional[_Union[Ledger, _Mapping]] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., final_model_path: _Optional[str] = ..., plot_path: _Optional[str] = ..., owner: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("generated_tokens", "trained_tokens", "generation_device_seconds", "training_device_seconds")
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generated_tokens: int
+    trained_tokens: int
+    generation_device_seconds: float
+    training_device_seconds: float
+    def __init__(self, generated_tokens: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., generation_device_seconds: _Optional[float] = ..., training_device_seconds: _Optional[float] = ...) -> None: ...
 
 class SubmitRunRequest(_message.Message):
     __slots__ = ("spec_yaml", "run_id", "resume")

@@ -127,6 +127,30 @@ def test_a_reloaded_run_counts_what_its_events_announced_after_run_json_was_save
     assert after.in_flight == 8
 
 
+def test_usage_sums_the_step_events_and_survives_a_restart(tmp_path):
+    """Usage is what the events' usage/* metrics say: shown in the run's proto, saved in run.json, and
+    rebuilt from events.jsonl by a restarted coordinator."""
+    run = _left_running(tmp_path, "r5")
+    spend = {"usage/generated_tokens": 96.0, "usage/trained_tokens": 160.0, "usage/generation_device_s": 1.5,
+             "usage/training_device_s": 0.25}
+    run.emit(pb.EVENT_KIND_DROPPED, "dropped", {"dropped/stale": 8.0})
+    run.emit(pb.EVENT_KIND_VALIDATION, "SFT step 4", spend)  # an SFT warm start's steps
+    for step in (1, 2):
+        run.emit(pb.EVENT_KIND_STEP, f"step {step}/3", spend, step=step)
+    want = {"generated_tokens": 288, "trained_tokens": 480, "generation_device_seconds": 4.5,
+            "training_device_seconds": 0.75}
+    assert run.usage.to_dict() == want
+    run.save()
+    assert json.loads((tmp_path / "r5" / "run.json").read_text())["usage"] == want
+    (tmp_path / "r5" / "run.json").write_text(json.dumps({**json.loads((tmp_path / "r5" / "run.json").read_text()),
+                                                         "usage": {}}))  # events are the record
+    reloaded = Run.from_disk(tmp_path / "r5")
+    assert reloaded.usage.to_dict() == want
+    proto = reloaded.to_proto().usage
+    assert (proto.generated_tokens, proto.trained_tokens, proto.generation_device_seconds,
+            proto.training_device_seconds) == (288, 480, 4.5, 0.75)
+
+
 @pytest.mark.parametrize("resume_on_restart, auto_resume", [(False, True), (True, False)])
 def test_runs_left_running_fail_with_the_resume_command_when_resuming_is_off(tmp_path, resume_on_restart,
                                                                              auto_resume):
