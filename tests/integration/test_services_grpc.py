@@ -135,7 +135,7 @@ def test_learner_rejects_bad_specs_and_unknown_runs(channel):
     assert err.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND)
     err = status_of(lambda: stub.TrainStep(learner_pb2.TrainStepRequest(run_id="x", loss_name="ppo")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("loss_name:")
-    assert "grpo, sft" in err.details()
+    assert "valid: grpo, cispo, sft, dpo" in err.details()
 
 
 def test_score_metadata_is_passed_to_plugins(channel):
