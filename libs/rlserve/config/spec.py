@@ -41,7 +41,7 @@ from rlserve.config.section import (
 )
 from rlserve.data.tasks import TASKS
 from rlserve.environments.config import BUILTIN_NAMES as ENVIRONMENTS
-from rlserve.environments.config import EnvironmentCfg
+from rlserve.environments.config import SCORED, EnvironmentCfg
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
 
@@ -482,10 +482,10 @@ class EnvCfg(Section):
         return self
 
     def environment(self, reward_functions: list[RewardFunctionCfg]) -> EnvironmentCfg:
-        """The environment the Reset and Step requests name; `single_turn` without its own functions
-        scores with the run's reward.functions (none: the reward service's deployed ones)."""
+        """The environment the Reset and Step requests name; `single_turn` or `tool_use` without their own
+        functions score with the run's reward.functions (none: the reward service's deployed ones)."""
         args = dict(self.args)
-        if self.import_path is None and self.name == "single_turn" and "functions" not in args and reward_functions:
+        if self.import_path is None and self.name in SCORED and "functions" not in args and reward_functions:
             args["functions"] = [f.model_dump(mode="json") for f in reward_functions]
         return EnvironmentCfg(name=self.name, import_path=self.import_path, args=args)
 

@@ -27,6 +27,7 @@ from rlserve.data.dataset import build_splits
 from rlserve.data.preferences import build_preference_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
+from rlserve.environments.config import SCORED
 from rlserve.environments.loader import single_turn_functions
 from rlserve.grpo.episodes import episode_proto
 from rlserve.grpo.retry import RetryPolicy
@@ -130,7 +131,7 @@ class GrpoAdmission(Admission):
         env = spec.env
         if env.import_path:
             self.plugins.check("spec_yaml: env.import_path", env.import_path)
-        if env.import_path is None and env.name == "single_turn":
+        if env.import_path is None and env.name in SCORED:
             try:
                 functions = single_turn_functions(env.environment([]))
             except ValueError as err:
