@@ -1,7 +1,8 @@
 """Multi-turn runs on the real stack: the built-in guess_number game served by the reward application
 through SubmitRun, the preflight, episodes over Serve handles and training with the loss mask; and an
 external environment server (`env.endpoint`) whose environment fails, hangs and floods on some
-prompts: those groups are dropped with their reasons, the rest train, and the ledger balances."""
+prompts: those groups are dropped with their reasons, the rest train, and the ledger balances; and
+the tool_use environment's calls, the python tool sandboxed inside the Serve replica."""
 
 from __future__ import annotations
 
@@ -106,3 +107,38 @@ def test_an_external_environment_that_fails_hangs_and_floods_drops_those_groups(
     assert "the game server crashed" in messages and "took more than env.timeout_s" in messages
     assert "characters, at most" in messages
     assert time.monotonic() - t0 < 300
+
+
+def test_the_reward_application_serves_tool_calls_with_the_python_tool_sandboxed(channel):
+    """The built-in tool_use environment over the real Environment service: a call to the python tool
+    runs in the sandbox inside the Serve replica (no network, only its own files), the answer comes
+    back as a tool response, and the policy's answer without a call ends the episode, scored."""
+    from rlserve.environments.tools.sandbox import SandboxUnavailable, run_python
+    from rlserve.v1 import environment_pb2
+
+    try:
+        run_python("pass")
+    except SandboxUnavailable as err:
+        pytest.skip(f"this host cannot build the sandbox: {err}")
+    stub = environment_pb2_grpc.EnvironmentStub(channel)
+    env = environment_pb2.EnvironmentSpec(name="tool_use", args_json='{"tools": ["python", "calculator"], '
+                                          '"functions": [{"name": "exact_match"}]}')
+    episode = environment_pb2.Episode(id="itest", prompt="6 * 7?", reference_answer="42",
+                                      messages=[environment_pb2.ChatMessage(role="user", content="6 * 7?")])
+    reset = stub.Reset(environment_pb2.ResetRequest(environment=env, episode=episode, run_id="itest-tools"))
+    assert reset.status == environment_pb2.ENVIRONMENT_STATUS_OK, reset.error
+    assert '"name": "python"' in reset.messages[0].content
+    code = ("import os, socket\\nprint(6 * 7, os.getuid() != 0, sorted(os.listdir('/')))\\n"
+            "try:\\n    socket.create_connection(('127.0.0.1', 9000), timeout=1)\\n    print('NET')\\n"
+            "except OSError:\\n    print('no network')")
+    call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+    step = stub.Step(environment_pb2.StepRequest(
+        environment=env, episode=episode, conversation=reset.messages, state_json=reset.state_json, turn=1,
+        assistant=environment_pb2.ChatMessage(role="assistant", content=call), run_id="itest-tools"))
+    assert step.status == environment_pb2.ENVIRONMENT_STATUS_OK and not step.done, step.error
+    assert step.observation[0].content == ("<tool_response>\n42 True ['dev', 'lib', 'lib64', 'root', 'usr', "
+                                           "'work']\nno network\n\n</tool_response>")
+    last = stub.Step(environment_pb2.StepRequest(
+        environment=env, episode=episode, state_json=step.state_json, turn=2,
+        assistant=environment_pb2.ChatMessage(role="assistant", content="42"), run_id="itest-tools"))
+    assert last.done and last.reward == 1.0 and last.metrics["tool_calls"] == 1.0

@@ -86,6 +86,9 @@ class AdvantageEstimator(ABC):
 
     # Advantages per token [G, n, T] (True) or one per sample [G, n] (False).
     token_level: ClassVar[bool]
+    # The advantages come from the rewards alone, so a group whose samples scored alike carries no
+    # signal (`grpo.skip_zero_advantage_groups` drops it); False: they carry another signal too.
+    rewards_only: ClassVar[bool] = True
     # Set by every constructor: the reference policy's logprobs are read.
     needs_reference_logprobs: bool
 
@@ -95,3 +98,7 @@ class AdvantageEstimator(ABC):
     @abstractmethod
     def __call__(self, inputs: AdvantageInputs) -> Tensor:
         """Advantages [G, n] or, for a token-level estimator, [G, n, T] (0 where the mask is False)."""
+
+    def metrics(self, inputs: AdvantageInputs) -> dict[str, float]:
+        """What the estimator reports about a step (none by default)."""
+        return {}

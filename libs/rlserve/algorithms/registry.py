@@ -34,6 +34,8 @@ LOSS_SECTIONS = {"dpo": "dpo"}
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", {
     "grpo": "rlserve.algorithms.advantages.grpo:GrpoAdvantageEstimator",
     "reinforce_plus_plus": "rlserve.algorithms.advantages.reinforce_plus_plus:ReinforcePlusPlusAdvantageEstimator",
+    "on_policy_distillation":
+        "rlserve.algorithms.advantages.distillation:OnPolicyDistillationAdvantageEstimator",
 })
 
 

@@ -15,7 +15,8 @@ from rlserve.config.section import MAX_SEQUENCE_LENGTH, MAX_STEPS, MAX_TRAJECTOR
 
 # The keys of grpo.adv_estimator each estimator reads (another estimator's, set off its default, is refused).
 ESTIMATOR_KEYS = {"grpo": ("normalize_rewards", "use_leave_one_out_baseline"),
-                  "reinforce_plus_plus": ("minus_baseline",)}
+                  "reinforce_plus_plus": ("minus_baseline",),
+                  "on_policy_distillation": ("teacher_kl_coef", "task_reward_weight")}
 
 
 class AdvEstimatorCfg(Section):
@@ -29,6 +30,10 @@ class AdvEstimatorCfg(Section):
     # reinforce_plus_plus: subtract the group's mean reward before the batch normalisation
     # (REINFORCE++-baseline); false: the raw reward (REINFORCE++ as first published).
     minus_baseline: bool = True
+    # on_policy_distillation (with teacher.model_name): each token's advantage is teacher_kl_coef x
+    # (teacher logprob - student logprob), plus task_reward_weight x the sample's GRPO advantage.
+    teacher_kl_coef: float = Field(1.0, gt=0, le=100)
+    task_reward_weight: float = Field(0.0, ge=0, le=100)
 
     @model_validator(mode="after")
     def _keys_of_this_estimator(self) -> AdvEstimatorCfg:

@@ -41,7 +41,7 @@ from rlserve.config.section import (
 )
 from rlserve.data.tasks import TASKS
 from rlserve.environments.config import BUILTIN_NAMES as ENVIRONMENTS
-from rlserve.environments.config import EnvironmentCfg
+from rlserve.environments.config import SCORED, EnvironmentCfg
 from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
 
@@ -482,10 +482,10 @@ class EnvCfg(Section):
         return self
 
     def environment(self, reward_functions: list[RewardFunctionCfg]) -> EnvironmentCfg:
-        """The environment the Reset and Step requests name; `single_turn` without its own functions
-        scores with the run's reward.functions (none: the reward service's deployed ones)."""
+        """The environment the Reset and Step requests name; `single_turn` or `tool_use` without their own
+        functions score with the run's reward.functions (none: the reward service's deployed ones)."""
         args = dict(self.args)
-        if self.import_path is None and self.name == "single_turn" and "functions" not in args and reward_functions:
+        if self.import_path is None and self.name in SCORED and "functions" not in args and reward_functions:
             args["functions"] = [f.model_dump(mode="json") for f in reward_functions]
         return EnvironmentCfg(name=self.name, import_path=self.import_path, args=args)
 
@@ -532,6 +532,15 @@ class ClusterCfg(Section):
 ALGORITHMS = ("grpo", "sft", "dpo")
 
 
+class TeacherCfg(Section):
+    """On-policy distillation's teacher (NeMo-RL's `teacher.model_name`): an HF folder or "preset:NAME"
+    with the policy's tokenizer, possibly a larger model; the reference service scores the student's
+    samples with it (`rlserve.algorithms.advantages.distillation`)."""
+
+    model_name: str | None = Field(None, max_length=MAX_PATH_CHARS)
+    model_seed: Seed = 0
+
+
 class RunSpec(Section):
     # Part of the run id and of its folder's name.
     name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
@@ -544,6 +553,7 @@ class RunSpec(Section):
     data: DataCfg = DataCfg()
     reward: RewardCfg = RewardCfg()
     env: EnvCfg = EnvCfg()
+    teacher: TeacherCfg = TeacherCfg()
     checkpointing: CheckpointingCfg = CheckpointingCfg()
     logger: LoggerCfg = LoggerCfg()
     cluster: ClusterCfg = ClusterCfg()
@@ -567,6 +577,7 @@ class RunSpec(Section):
                 f"response length it ends at ({self.max_response_length}: grpo.reward_shaping.max_response_length "
                 f"or policy.generation.max_new_tokens)")
         self._check_kl_in_reward()
+        self._check_distillation()
         self._check_run_type()
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
             raise ValueError(
@@ -591,6 +602,25 @@ class RunSpec(Section):
         if self.loss_fn.use_kl_in_reward and self.grpo.adv_estimator.name != "reinforce_plus_plus":
             raise ValueError(f"loss_fn.use_kl_in_reward: only the reinforce_plus_plus estimator puts the KL in "
                              f"the reward (grpo.adv_estimator.name is {self.grpo.adv_estimator.name!r})")
+
+    def _check_distillation(self) -> None:
+        distilling = self.grpo.adv_estimator.name == "on_policy_distillation"
+        if distilling != (self.teacher.model_name is not None):
+            raise ValueError("teacher.model_name: required by grpo.adv_estimator.name on_policy_distillation"
+                             if distilling else f"teacher.model_name: only read by on-policy distillation "
+                             f"(grpo.adv_estimator.name: on_policy_distillation; it is "
+                             f"{self.grpo.adv_estimator.name!r})")
+        if not distilling:
+            return
+        if self.algorithm != "grpo":
+            raise ValueError(f"teacher.model_name: on-policy distillation samples from the policy (algorithm: grpo), "
+                             f"not in an algorithm: {self.algorithm} run")
+        if self.loss_fn.reference_policy_kl_penalty > 0:
+            raise ValueError("loss_fn.reference_policy_kl_penalty: in a distillation run the reference service "
+                             "scores with the teacher, whose pull the advantages already carry; set it to 0")
+        if self.grpo.use_dynamic_sampling:
+            raise ValueError("grpo.use_dynamic_sampling: it drops groups whose rewards tie, which still carry the "
+                             "teacher's signal in a distillation run")
 
     def _check_run_type(self) -> None:
         if self.algorithm == "grpo":
@@ -637,7 +667,7 @@ class RunSpec(Section):
     @property
     def reference_from_service(self) -> bool:
         """The coordinator asks the reference service for every step's logprobs: for the learner's KL term,
-        or for a KL in the reward (REINFORCE++), which the coordinator computes (in a LoRA run too, from
-        the base model the run starts from)."""
+        for a KL in the reward (REINFORCE++), which the coordinator computes (in a LoRA run too, from
+        the base model the run starts from), or for a distillation teacher's."""
         kl_in_reward = self.loss_fn.use_kl_in_reward and self.loss_fn.reference_policy_kl_penalty > 0
-        return self.reference_to_learner or kl_in_reward
+        return self.reference_to_learner or kl_in_reward or self.teacher.model_name is not None

@@ -10,22 +10,24 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from rlserve.environments.builtins import GuessNumber, SingleTurn
-from rlserve.environments.config import BadEnvironment, EnvironmentCfg
+from rlserve.environments.config import SCORED, BadEnvironment, EnvironmentCfg
 from rlserve.environments.interfaces import Environment
+from rlserve.environments.tool_use import ToolUse
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.loader import CombinedReward, import_object
 from rlserve.rpc import invalid_argument
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import environment_pb2
 
-BUILTINS: dict[str, type[Environment]] = {"single_turn": SingleTurn, "guess_number": GuessNumber}
+BUILTINS: dict[str, type[Environment]] = {"single_turn": SingleTurn, "guess_number": GuessNumber,
+                                          "tool_use": ToolUse}
 
 
 def single_turn_functions(cfg: EnvironmentCfg) -> list[RewardFunctionCfg]:
-    """The reward functions a `single_turn` environment's `args.functions` names (empty: the default)."""
-    extra = set(cfg.args) - {"functions"}
+    """The reward functions a built-in that scores (`SCORED`) names in `args.functions` (empty: the default)."""
+    extra = set(cfg.args) - {"functions"} - SCORED[cfg.name]
     if extra:
-        raise ValueError(f"args: single_turn takes only `functions`, not {sorted(extra)}")
+        raise ValueError(f"args: {cfg.name} takes only {sorted({'functions'} | SCORED[cfg.name])}, not {sorted(extra)}")
     raw = cfg.args.get("functions", [])
     if not isinstance(raw, list):
         raise ValueError("args.functions: must be a list of reward functions ({name, import_path, weight, args})")
@@ -38,9 +40,15 @@ def load_environment(cfg: EnvironmentCfg, default_reward: Callable[[], CombinedR
     `single_turn` scores with the reward functions of `args.functions`, or with
     `default_reward()` (the service's deployed functions) when it names none.
     """
-    if cfg.import_path is None and cfg.name == "single_turn":
+    if cfg.import_path is None and cfg.name in SCORED:
         functions = single_turn_functions(cfg)
-        return SingleTurn(CombinedReward(functions) if functions else default_reward())
+        reward = CombinedReward(functions) if functions else default_reward()
+        if cfg.name == "single_turn":
+            return SingleTurn(reward)
+        try:
+            return ToolUse(reward, **{k: v for k, v in cfg.args.items() if k != "functions"})
+        except TypeError as err:
+            raise ValueError(f"environment {cfg.name!r}: bad args {cfg.args}: {err}") from None
     obj = import_object(cfg.import_path) if cfg.import_path else BUILTINS.get(cfg.name)
     if obj is None:
         raise ValueError(f"unknown environment {cfg.name!r}: not a built-in ({', '.join(BUILTINS)}) and no "
@@ -73,7 +81,7 @@ class Environments:
         if cfg.import_path:
             self.plugins.check("environment.import_path", cfg.import_path)
         try:
-            if cfg.import_path is None and cfg.name == "single_turn":
+            if cfg.import_path is None and cfg.name in SCORED:
                 for i, f in enumerate(single_turn_functions(cfg)):
                     if f.import_path:
                         self.plugins.check(f"environment.args_json: functions.{i}.import_path", f.import_path)

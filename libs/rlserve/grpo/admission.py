@@ -27,6 +27,7 @@ from rlserve.data.dataset import build_splits
 from rlserve.data.preferences import build_preference_splits
 from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
+from rlserve.environments.config import SCORED
 from rlserve.environments.loader import single_turn_functions
 from rlserve.grpo.episodes import episode_proto
 from rlserve.grpo.retry import RetryPolicy
@@ -61,6 +62,8 @@ class GrpoAdmission(Admission):
         spec = spec.model_copy(deep=True)
         paths = self.paths.for_runs(run_access)
         spec.policy.model_name = paths.model_name("spec_yaml: policy.model_name", spec.policy.model_name)
+        if spec.teacher.model_name is not None:
+            spec.teacher.model_name = paths.model_name("spec_yaml: teacher.model_name", spec.teacher.model_name)
         try:
             config = await asyncio.to_thread(hf_config, spec.policy.model_name)
         except (OSError, ValueError) as err:
@@ -128,7 +131,7 @@ class GrpoAdmission(Admission):
         env = spec.env
         if env.import_path:
             self.plugins.check("spec_yaml: env.import_path", env.import_path)
-        if env.import_path is None and env.name == "single_turn":
+        if env.import_path is None and env.name in SCORED:
             try:
                 functions = single_turn_functions(env.environment([]))
             except ValueError as err:
@@ -159,6 +162,8 @@ class GrpoAdmission(Admission):
             model = await asyncio.to_thread(resolve_model, spec.policy.model_name, spec.policy.model_seed)
         except ValueError as err:
             raise invalid_argument("policy.model_name", str(err).removeprefix("policy.model_name: ")) from None
+        if spec.teacher.model_name is not None:
+            await self._check_teacher(spec, model)
         example = None
         if spec.algorithm == "dpo":
             await self._check_preference_data(spec, model)
@@ -185,6 +190,28 @@ class GrpoAdmission(Admission):
                                       f"{err}") from None
         finally:
             await services.close()
+
+    @staticmethod
+    async def _check_teacher(spec: RunSpec, student: Path) -> None:
+        """The teacher scores the student's tokens, so both must read token ids alike: the same vocabulary."""
+        try:
+            teacher = await asyncio.to_thread(resolve_model, spec.teacher.model_name, spec.teacher.model_seed)
+        except ValueError as err:
+            raise invalid_argument("teacher.model_name", str(err).removeprefix("policy.model_name: ")) from None
+        if teacher.resolve() == student.resolve():
+            raise invalid_argument("teacher.model_name", "is the policy itself: a teacher is another model")
+
+        def vocab(path: Path) -> dict[str, int]:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path).get_vocab()
+
+        theirs, ours = await asyncio.gather(asyncio.to_thread(vocab, teacher), asyncio.to_thread(vocab, student))
+        if theirs != ours:
+            differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+            raise invalid_argument("teacher.model_name", f"its tokenizer differs from policy.model_name's "
+                                   f"({len(theirs)} against {len(ours)} tokens; e.g. {differ}): the teacher must "
+                                   f"score the student's token ids")
 
     @staticmethod
     async def _check_preference_data(spec: RunSpec, model: Path) -> None:

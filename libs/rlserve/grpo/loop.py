@@ -98,8 +98,9 @@ class GrpoAttempt(Attempt):
 
     async def _main(self, resume_reason: str, tasks: list[asyncio.Task]) -> None:
         await self._setup(resume_reason)
+        # The reference service scores with the policy the run started from, or a distillation's teacher.
         producer = Producer(self.inputs, self.run, self.services, self.producer_state, self.queue,
-                            self.trainer_state.init_model, self.progress)
+                            self.inputs.teacher_path or self.trainer_state.init_model, self.progress)
         trainer = Trainer(self.inputs, self.run, self.services, self.trainer_state, self.producer_state,
                           self.queue, self.sync, self.validator, self.checkpoints, self.progress)
         producing = asyncio.create_task(producer.run_steps())

@@ -47,6 +47,8 @@ class RunInputs:
     val: tuple[Example, ...]  # the held-out prompts validation scores (at most grpo.max_val_samples)
     # An algorithm: dpo run's preference pairs (its train and val are empty).
     pairs: PreferenceSplits | None = None
+    # On-policy distillation: the teacher's HF folder (the reference service scores with it).
+    teacher_path: Path | None = None
 
     @classmethod
     def build(cls, run_id: str, spec: RunSpec, run_dir: Path) -> RunInputs:
@@ -55,8 +57,10 @@ class RunInputs:
         if spec.algorithm == "dpo":
             return cls(run_id, spec, run_dir, model_path, tok, (), (), build_preference_splits(spec.data))
         splits = build_splits(spec.data)
+        teacher = spec.teacher
         return cls(run_id, spec, run_dir, model_path, tok, tuple(splits.train),
-                   tuple(splits.val[: spec.grpo.max_val_samples]))
+                   tuple(splits.val[: spec.grpo.max_val_samples]),
+                   teacher_path=resolve_model(teacher.model_name, teacher.model_seed) if teacher.model_name else None)
 
     def spec_yaml(self) -> str:
         """The resolved spec as SubmitRun wrote it into the run directory (what the learner is configured with)."""

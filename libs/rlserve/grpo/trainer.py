@@ -183,11 +183,13 @@ class Trainer:
                 produced.metrics.get("plumbing/generate_s", 0.0)
         self.state.activity_mark = seen
 
-        # 2. Advantages; groups whose samples all scored alike (after reward shaping) carry no signal.
+        # 2. Advantages; groups whose samples all scored alike (after reward shaping) carry no signal, unless
+        # the estimator has another one (a distillation teacher's).
         shaped, shaping_metrics = shaped_rewards(scored, rewards, spec)
         metrics.update(shaping_metrics)
+        estimator = advantage_estimator(spec.grpo.adv_estimator, spec.loss_fn)
         keep = torch.ones(len(scored), dtype=torch.bool)
-        if spec.grpo.skip_zero_advantage_groups and scored:
+        if spec.grpo.skip_zero_advantage_groups and scored and estimator.rewards_only:
             keep = ~zero_variance_groups(shaped)
             dropped["zero_advantage"] = self._drop([g for g, k in zip(scored, keep.tolist()) if not k],
                                                    "zero_advantage")
@@ -199,8 +201,9 @@ class Trainer:
             self.run.emit(pb.EVENT_KIND_WARNING, f"step {step + 1} skipped: no trainable group (trajectories "
                           f"dropped: {reasons}); the policy stays at version {version}")
             return metrics
-        estimator = advantage_estimator(spec.grpo.adv_estimator, spec.loss_fn)
-        advantages = estimator(advantage_inputs(trainable, shaped[keep], estimator.needs_reference_logprobs))
+        adv_inputs = advantage_inputs(trainable, shaped[keep], estimator.needs_reference_logprobs)
+        advantages = estimator(adv_inputs)
+        metrics.update(estimator.metrics(adv_inputs))
 
         # 3. Train on the batch.
         batch = build_batch(trainable, advantages, spec.reference_to_learner)

@@ -27,14 +27,15 @@ def test_every_registered_advantage_estimator_builds(name):
     assert isinstance(estimator, AdvantageEstimator)
     assert isinstance(estimator.token_level, bool) and isinstance(estimator.needs_reference_logprobs, bool)
     mask = torch.tensor([[[True, True], [True, False], [True, True]]])
-    out = estimator(AdvantageInputs(torch.tensor([[1.0, 0.0, 0.5]]), mask, torch.zeros(1, 3, 2), None))
+    reference = torch.full((1, 3, 2), -1.0) if estimator.needs_reference_logprobs else None
+    out = estimator(AdvantageInputs(torch.tensor([[1.0, 0.0, 0.5]]), mask, torch.zeros(1, 3, 2), reference))
     assert out.shape == ((1, 3, 2) if estimator.token_level else (1, 3))
 
 
 def test_unknown_names_fail_listing_the_valid_ones():
     with pytest.raises(ValueError, match="unknown loss 'ppo'; valid: grpo, cispo, sft"):
         make_loss("ppo", LossFnCfg())
-    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'; valid: grpo, reinforce_plus_plus"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'; valid: grpo, reinforce_plus_plus, on_policy_distillation"):
         advantage_estimator(AdvEstimatorCfg.model_construct(name="gae"), LossFnCfg())
 
 

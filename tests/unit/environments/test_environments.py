@@ -142,7 +142,7 @@ def test_loading_by_name_and_import_path():
         load_environment(EnvironmentCfg(name="x", import_path="json:dumps"), lambda: EXACT)
     with pytest.raises(ValueError, match="bad args"):
         load_environment(EnvironmentCfg(name="guess_number", args={"colour": 1}), lambda: EXACT)
-    with pytest.raises(ValueError, match="single_turn takes only `functions`"):
+    with pytest.raises(ValueError, match="single_turn takes only \['functions'\]"):
         load_environment(EnvironmentCfg(args={"x": 1}), lambda: EXACT)
 
 

@@ -1,0 +1,117 @@
+"""`tool_use`: the policy may call tools before it answers; its first message without a tool call is
+its answer, scored by reward functions (the run's `args.functions`, or the service's default).
+
+The tools are declared to the policy in a system message, in the Hermes / Qwen
+form those models' chat templates render a `tools=` list into (a `<tools>`
+block of JSON schemas and the `<tool_call>` format), so a template without
+tool support works too. Each call is answered in the next user turn as
+`<tool_response>` blocks; a malformed call, an unknown tool or a tool's error
+is an answer too (counted in `malformed_calls` and `tool_errors`), never an
+exception. Built-in tools: `calculator` (`tools.calculator`) and `python`
+(`tools.sandbox`: no network, no files but its own, limits, not root). The
+episode's state counts the calls so far.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from rlserve.environments.interfaces import Environment, Episode, ResetOutput, StepInput, StepOutput
+from rlserve.environments.tools.calculator import CalculatorError, calculate
+from rlserve.environments.tools.calls import ToolCall, parse_tool_calls, tool_response
+from rlserve.environments.tools.sandbox import Limits, SandboxUnavailable, run_python
+from rlserve.rewards.interfaces import RewardInput
+from rlserve.rewards.loader import CombinedReward
+
+SCHEMAS = {
+    "calculator": {"name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / // % ** and "
+                   "parentheses) exactly.", "parameters": {"type": "object", "properties": {
+                       "expression": {"type": "string"}}, "required": ["expression"]}},
+    "python": {"name": "python", "description": "Run a Python script (standard library only, no network) and "
+               "return what it prints.", "parameters": {"type": "object", "properties": {
+                   "code": {"type": "string"}}, "required": ["code"]}},
+}
+MAX_CODE_CHARS = 16_384
+
+
+def _system_prompt(tools: list[str]) -> str:
+    declared = "\n".join(json.dumps({"type": "function", "function": SCHEMAS[t]}) for t in tools)
+    return ("You may call tools. The tools are:\n<tools>\n" + declared + "\n</tools>\nTo call one, write\n"
+            '<tool_call>\n{"name": <tool name>, "arguments": <arguments as JSON>}\n</tool_call>\n'
+            "and read its answer in the next message. Answer without a tool call when you are done.")
+
+
+class ToolUse(Environment):
+    name = "tool_use"
+
+    def __init__(self, reward: CombinedReward, tools: list[str] | None = None, max_output_chars: int = 2000,
+                 python_wall_s: float = 10.0):
+        tools = ["calculator"] if tools is None else tools
+        if not isinstance(tools, list) or not tools or any(t not in SCHEMAS for t in tools):
+            raise ValueError(f"tools: a non-empty list of {sorted(SCHEMAS)}, got {tools!r}")
+        if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int) \
+                or not 16 <= max_output_chars <= 65_536:
+            raise ValueError(f"max_output_chars: an integer in 16..65536, got {max_output_chars!r}")
+        if isinstance(python_wall_s, bool) or not isinstance(python_wall_s, (int, float)) \
+                or not 0 < python_wall_s <= 60:
+            raise ValueError(f"python_wall_s: seconds in (0, 60], got {python_wall_s!r}")
+        self.reward, self.tools, self.max_output_chars = reward, tools, max_output_chars
+        self.limits = Limits(wall_s=float(python_wall_s), cpu_s=max(1, int(python_wall_s)))
+        self._run: dict[str, Callable[[dict[str, Any]], str]] = {"calculator": self._calculator,
+                                                                   "python": self._python}
+
+    def reset(self, episode: Episode) -> ResetOutput:
+        messages = list(episode.messages)
+        prompt = _system_prompt(self.tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
+        else:
+            messages.insert(0, {"role": "system", "content": prompt})
+        return ResetOutput(messages, {"calls": 0})
+
+    def step(self, step: StepInput) -> StepOutput:
+        state = step.state or {"calls": 0}
+        parsed = parse_tool_calls(step.assistant)
+        if not parsed.any:
+            ep = step.episode
+            score, components, _ = self.reward(RewardInput(ep.prompt, step.assistant, ep.answer, ep.metadata))
+            return StepOutput([], score, True, {**components, "tool_calls": float(state["calls"]),
+                                                "turns": float(step.turn)}, state)
+        answers, errors = [], 0
+        for call in parsed.calls:
+            text, ok = self._answer(call)
+            answers.append(tool_response(text))
+            errors += not ok
+        answers += [tool_response(f"error: {e}") for e in parsed.errors]
+        state = {"calls": state["calls"] + len(parsed.calls)}
+        metrics = {"malformed_calls": float(len(parsed.errors)), "tool_errors": float(errors),
+                   "tool_calls": float(state["calls"])}
+        return StepOutput([{"role": "user", "content": "\n".join(answers)}], 0.0, False, metrics, state)
+
+    def _answer(self, call: ToolCall) -> tuple[str, bool]:
+        if call.name not in self.tools:
+            return f"error: unknown tool {call.name[:64]!r}; the tools are {', '.join(self.tools)}", False
+        try:
+            text, ok = self._run[call.name](call.arguments), True
+        except (CalculatorError, ValueError, SandboxUnavailable) as err:
+            text, ok = f"error: {err}", False
+        if len(text) > self.max_output_chars:
+            text = text[:self.max_output_chars] + "\n[output cut]"
+        return text, ok
+
+    @staticmethod
+    def _calculator(args: dict[str, Any]) -> str:
+        return calculate(args.get("expression", ""))
+
+    def _python(self, args: dict[str, Any]) -> str:
+        code = args.get("code")
+        if not isinstance(code, str) or not code.strip() or len(code) > MAX_CODE_CHARS:
+            raise ValueError(f"`code` must be a non-empty script of at most {MAX_CODE_CHARS} characters")
+        result = run_python(code, self.limits)
+        if result.timed_out:
+            return f"{result.stdout}\nerror: the script ran out of time ({self.limits.wall_s:g} s)".strip()
+        if result.exit_code != 0:
+            return f"{result.stdout}\n{result.stderr}".strip()
+        return result.stdout if result.stdout.strip() else "(no output)"
