@@ -3,8 +3,10 @@ own compute, so every gap (RPC, serialization, the object store, polling, the co
 has a name and a size.
 
 The run is `examples/grpo_addition.yaml` without its SFT warm start (64 prompts x 8 samples, 6 new
-tokens, 2 optimizer updates a step) on the default cluster `make demo` uses, once synchronous and
-once async (max age 1), side by side in one invocation. Per mode, the medians over the steps after
+tokens, 2 optimizer updates a step), synchronous and async (max age 1), on the default cluster
+`make demo` uses (`shared`: every process may use every core) and with generation and training on
+separate cores (`split`: `examples/cluster_cpu_split.yaml`'s layout, vLLM's engine on core 0, the
+rest on core 1), side by side in one invocation; `vs_sync_shared` is the speed-up over the first. Per mode, the medians over the steps after
 the first two (engine warm-up) of:
 
 - generate, reward, reference: the Generate / Score / LogProbs calls' wall seconds and the services'
@@ -17,7 +19,7 @@ the first two (engine warm-up) of:
 `overhead` is the step's wall time outside engine and learner compute: step - learner step -
 min(wait for rollouts, engine compute); issue 27's target is 10% or less.
 
-    .venv/bin/python scripts/bench/step_budget.py [--steps 12] [--modes sync async-1]
+    .venv/bin/python scripts/bench/step_budget.py [--steps 12] [--modes sync async-1] [--layouts shared split]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.bench.common import record, table  # noqa: E402
 
-COLUMNS = ["mode", "component", "wall_s", "compute_s", "gap_s", "share_of_step"]
+COLUMNS = ["mode", "layout", "component", "wall_s", "compute_s", "gap_s", "share_of_step", "vs_sync_shared"]
 # component -> (wall metric, compute: the wall minus this plumbing metric, or this compute metric)
 PARTS = {
     "generate": ("timing/generate_s", "-plumbing/generate_s"),
@@ -59,7 +61,23 @@ def demo_spec(steps: int, age: int) -> dict:
     return spec
 
 
-def budget(mode: str, steps: list[dict[str, float]]) -> list[dict]:
+def cluster_data(root: Path, layout: str) -> dict:
+    import yaml
+
+    from rlserve.cluster.config import default_cluster_file
+
+    data = yaml.safe_load(default_cluster_file().read_text())
+    data.update({"ray_port": 6781, "grpc_port": 9301, "runs_dir": str(root / "runs")})
+    if layout == "split":
+        split = yaml.safe_load((ROOT / "examples" / "cluster_cpu_split.yaml").read_text())
+        data["num_cpus"] = split["num_cpus"]
+        for name, svc in split["services"].items():
+            data["services"][name]["cpu_cores"] = svc["cpu_cores"]
+        data["services"]["rollout"]["args"].update(split["services"]["rollout"]["args"])
+    return data
+
+
+def budget(mode: str, layout: str, steps: list[dict[str, float]]) -> list[dict]:
     med = lambda f: statistics.median(f(m) for m in steps)  # noqa: E731
     step_s = med(lambda m: m["timing/step_s"])
     rows = []
@@ -71,14 +89,14 @@ def budget(mode: str, steps: list[dict[str, float]]) -> list[dict]:
             compute = med(lambda m: m.get(wall_key, 0.0) - m.get(compute_key[1:], 0.0))
         else:
             compute = med(lambda m: m.get(compute_key, 0.0))
-        rows.append({"mode": mode, "component": name, "wall_s": wall, "compute_s": compute,
+        rows.append({"mode": mode, "layout": layout, "component": name, "wall_s": wall, "compute_s": compute,
                      "gap_s": wall - compute, "share_of_step": wall / step_s})
     on_path = med(lambda m: m["timing/wait_for_rollouts_s"] + m["timing/train_s"] + m["timing/weight_sync_s"])
-    rows.append({"mode": mode, "component": "coordinator", "wall_s": step_s - on_path, "compute_s": float("nan"),
+    rows.append({"mode": mode, "layout": layout, "component": "coordinator", "wall_s": step_s - on_path, "compute_s": float("nan"),
                  "gap_s": step_s - on_path, "share_of_step": (step_s - on_path) / step_s})
     engine = med(lambda m: min(m["timing/wait_for_rollouts_s"], m["timing/generate_s"] - m["plumbing/generate_s"]))
     overhead = step_s - med(lambda m: m["perf/learner_step_seconds"]) - engine
-    rows.append({"mode": mode, "component": "STEP", "wall_s": step_s, "compute_s": step_s - overhead,
+    rows.append({"mode": mode, "layout": layout, "component": "STEP", "wall_s": step_s, "compute_s": step_s - overhead,
                  "gap_s": overhead, "share_of_step": overhead / step_s})
     return rows
 
@@ -87,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--modes", nargs="+", default=["sync", "async-1"], help="sync or async-AGE")
+    parser.add_argument("--layouts", nargs="+", default=["shared", "split"], choices=["shared", "split"])
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be at least 4: the first 2 steps (engine warm-up) are not counted")
@@ -100,32 +119,36 @@ def main() -> None:
     import yaml
 
     from rlserve.clients.coordinator import CoordinatorClient
-    from rlserve.cluster.config import default_cluster_file, load_cluster_file
+    from rlserve.cluster.config import load_cluster_file
     from rlserve.cluster.lifecycle import Cluster, down, up
     from rlserve.v1 import coordinator_pb2 as pb
 
-    root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
-    data = yaml.safe_load(default_cluster_file().read_text())
-    data.update({"ray_port": 6781, "grpc_port": 9301, "runs_dir": str(root / "runs")})
-    cluster_file = root / "cluster.yaml"
-    cluster_file.write_text(yaml.safe_dump(data))
-    cluster = Cluster(*load_cluster_file(cluster_file))
-    up(cluster)
     rows = []
-    try:
-        with CoordinatorClient(cluster.grpc_endpoint) as client:
-            for mode in args.modes:
-                run = client.submit(yaml.safe_dump(demo_spec(args.steps, ages[mode])))
-                steps = [dict(ev.metrics) for ev in client.watch(run.run_id) if ev.kind == pb.EVENT_KIND_STEP]
-                final = client.get(run.run_id)
-                if final.state != pb.RUN_STATE_SUCCEEDED:
-                    raise SystemExit(f"{mode}: the run {final.run_id} ended {final.state}: {final.error}")
-                rows += budget(mode, steps[2:])
-    finally:
-        down(cluster)
+    for layout in args.layouts:
+        root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
+        cluster_file = root / "cluster.yaml"
+        cluster_file.write_text(yaml.safe_dump(cluster_data(root, layout)))
+        cluster = Cluster(*load_cluster_file(cluster_file))
+        up(cluster)
+        try:
+            with CoordinatorClient(cluster.grpc_endpoint) as client:
+                for mode in args.modes:
+                    run = client.submit(yaml.safe_dump(demo_spec(args.steps, ages[mode])))
+                    steps = [dict(ev.metrics) for ev in client.watch(run.run_id) if ev.kind == pb.EVENT_KIND_STEP]
+                    final = client.get(run.run_id)
+                    if final.state != pb.RUN_STATE_SUCCEEDED:
+                        raise SystemExit(f"{mode}: the run {final.run_id} ended {final.state}: {final.error}")
+                    rows += budget(mode, layout, steps[2:])
+        finally:
+            down(cluster)
+    base = next(r["wall_s"] for r in rows if r["component"] == "STEP")
+    for r in rows:
+        if r["component"] == "STEP":
+            r["vs_sync_shared"] = base / r["wall_s"]
     print(table(rows, COLUMNS))
-    print("wrote", record("step_budget", rows, {"steps": args.steps, "workload": "examples/grpo_addition.yaml "
-                                                "without SFT, 64 x 8, 6 new tokens"}))
+    print("wrote", record("step_budget", rows, {"steps": args.steps, "layouts": args.layouts,
+                                                "workload": "examples/grpo_addition.yaml without SFT, 64 x 8, "
+                                                            "6 new tokens"}))
 
 
 if __name__ == "__main__":
