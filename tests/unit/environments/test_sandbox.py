@@ -126,3 +126,13 @@ def test_an_infinite_loop_stops_at_its_cpu_limit_and_a_sleeper_at_the_wall_clock
 def test_memory_beyond_the_limit_is_refused():
     r = run_python("b = bytearray(2**31)", Limits(memory_mb=256))
     assert r.exit_code == 1 and "MemoryError" in r.stderr
+
+
+def test_a_service_with_umask_077_still_builds_a_root_nobody_can_use():
+    """The cluster's processes run with umask 077; the sandbox's directories must still be traversable."""
+    old = os.umask(0o077)
+    try:
+        r = run_python("print('ran')")
+    finally:
+        os.umask(old)
+    assert r.ok and r.stdout == "ran\n", r.stderr

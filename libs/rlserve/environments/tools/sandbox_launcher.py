@@ -55,6 +55,9 @@ def _bind(root: str, path: str, writable: bool = False, at: str | None = None) -
 
 
 def _enter(cfg: dict) -> None:
+    # The new root's directories must be traversable by `nobody`, whatever umask the service runs with
+    # (the cluster's processes use 077).
+    os.umask(0o022)
     root_user = os.getuid() == 0
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID
     if not root_user:
