@@ -3,7 +3,7 @@ own compute, so every gap (RPC, serialization, the object store, polling, the co
 has a name and a size.
 
 The run is `examples/grpo_addition.yaml` without its SFT warm start (64 prompts x 8 samples, 6 new
-tokens, 2 optimizer updates a step), synchronous and async (max age 1), on the default cluster
+tokens, 2 optimizer updates a step; partial credit, and every group trains), synchronous and async (max age 1), on the default cluster
 `make demo` uses (`shared`: every process may use every core) and with generation and training on
 separate cores (`split`: `examples/cluster_cpu_split.yaml`'s layout, vLLM's engine on core 0, the
 rest on core 1), side by side in one invocation; `vs_sync_shared` is the speed-up over the first. Per mode, the medians over the steps after
@@ -58,6 +58,10 @@ def demo_spec(steps: int, age: int) -> dict:
     spec["grpo"].update({"max_num_steps": steps, "val_period": 0})
     spec["grpo"]["async_grpo"] = {"enabled": age > 0, "max_trajectory_age_steps": max(age, 1)}
     spec["checkpointing"] = {"enabled": False}
+    # The untrained model scores 0 under exact_match: partial credit, and every group trains, so each
+    # step does the demo's full work (its later steps, when groups differ).
+    spec["reward"] = {"functions": [{"name": "exact_match", "args": {"partial_credit": True}}]}
+    spec["grpo"]["skip_zero_advantage_groups"] = False
     return spec
 
 
