@@ -41,8 +41,9 @@ class CoordinatorArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     paths: PathsArgs = PathsArgs()
-    # The cluster file's reward.allowed_plugins and reward.allowed_endpoints.
+    # The cluster file's reward.allowed_plugins, reward.allowed_models and reward.allowed_endpoints.
     allowed_plugins: list[str] = []
+    allowed_models: list[str] = []
     allowed_endpoints: list[str] = []
     apps: dict[str, str] = APPS
     weight_store: str = DEFAULT_STORE_NAME
@@ -73,7 +74,8 @@ class Coordinator:
         setup_logging()
         pin_from_env()
         self.args = CoordinatorArgs.model_validate(args or {})
-        admission = GrpoAdmission(self.args.paths.policy(), PluginPolicy(self.args.allowed_plugins),
+        plugins = PluginPolicy(self.args.allowed_plugins, self.args.allowed_models)
+        admission = GrpoAdmission(self.args.paths.policy(), plugins,
                                   self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
         quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,

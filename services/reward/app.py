@@ -41,6 +41,8 @@ class RewardArgs(BaseModel):
     functions: list[RewardFunctionCfg] = [RewardFunctionCfg(name="exact_match")]
     # Plug-ins a request may name by import path (the cluster file's reward.allowed_plugins).
     allowed_plugins: list[str] = []
+    # Model folders reward_model / llm_judge may load (the cluster file's reward.allowed_models).
+    allowed_models: list[str] = []
     # Threads that run environments' Reset and Step (a hung plug-in holds one until it returns).
     environment_threads: int = Field(64, ge=1, le=4096)
 
@@ -58,7 +60,7 @@ class Reward:
         pin_from_env()
         parsed = RewardArgs.model_validate(args or {})
         self.default = CombinedReward(parsed.functions)
-        self.plugins = PluginPolicy(parsed.allowed_plugins)
+        self.plugins = PluginPolicy(parsed.allowed_plugins, parsed.allowed_models)
         self.env_threads = serving.EnvironmentThreads(parsed.environment_threads)
         self.environments = Environments(self.plugins, self.default)
         event(log, "reward.ready", version=self.default.version,
@@ -68,9 +70,10 @@ class Reward:
     async def Score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         reward = self.default
         if request.functions:
+            keys = tuple(f.key() for f in functions_from_proto(list(request.functions), self.plugins))
             try:
-                reward = _combined(tuple(f.key() for f in functions_from_proto(list(request.functions),
-                                                                               self.plugins)))
+                # In a thread: the first call of a reward model or judge loads it (seconds).
+                reward = await asyncio.to_thread(_combined, keys)
             except ValueError as err:
                 raise invalid_argument("functions", str(err)) from None
         return await asyncio.to_thread(score_batch, reward, request)

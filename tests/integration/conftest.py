@@ -118,6 +118,8 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     (root / "models").mkdir()
     (root / "data").mkdir()
     data.setdefault("reward", {}).setdefault("allowed_plugins", []).extend(plugin(n) for n in PLUGINS)
+    # Reward models (reward_model, llm_judge) tests generate: in models/reward.
+    data["reward"].setdefault("allowed_models", []).append(str(root / "models" / "reward"))
     cluster_file = root / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(data))
     cfg, runs_dir = load_cluster_file(cluster_file)

@@ -6,6 +6,7 @@ reports the algorithm's own metrics."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from rlserve.clients.coordinator import CoordinatorClient
@@ -90,3 +91,25 @@ def test_on_policy_distillation_moves_the_student_toward_its_teacher(client, tes
     # Per-token KL on 64 fresh samples a step is noisy (measured: 1.60 -> 1.20 and 1.90 -> 1.77 between the
     # first and last five steps); a student pushed the wrong way moves away from the teacher instead.
     assert first > 0.5 and last < 0.9 * first, [round(k, 3) for k in kl]
+
+
+def test_a_run_scored_by_a_reward_model_and_a_judge(client, test_cluster):
+    """The reward app's model-backed functions in a run: the classifier's score is the reward, the judge
+    (weight 0) reports its unparsable answers in the step's metrics; a folder off the allow-list is refused
+    at SubmitRun, naming the key."""
+    from tests.support.reward_models import make_classifier
+
+    folder = test_cluster.models_dir / "reward" / "run-classifier"
+    make_classifier(folder, seed=3)
+    judge = {"name": "llm_judge", "weight": 0.0, "args": {"model": "preset:tiny-chat", "min_score": 1000,
+                                                          "max_score": 2000, "max_new_tokens": 4}}
+    _, steps = finished(client, spec(grpo__max_num_steps=2, grpo__val_period=0, reward__functions=[
+        {"name": "reward_model", "args": {"model": str(folder), "sigmoid": True}}, judge]))
+    for m in steps:
+        assert 0 < m["reward/mean"] < 1 and m["reward/std"] > 0  # a sigmoid of the classifier's logit
+        assert m["reward/llm_judge/unparsed"] == 1.0
+    off_the_list = {"name": "reward_model", "args": {"model": str(test_cluster.models_dir)}}
+    with pytest.raises(grpc.RpcError) as err:
+        client.submit(spec(reward__functions=[off_the_list]))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.value.details().startswith("spec_yaml: reward.functions.0.args.model:")

@@ -101,6 +101,31 @@ def test_reward_over_grpc_isolates_failing_items(channel, test_cluster):
     assert err.details().startswith("items[0].metadata_json:")
 
 
+def test_reward_app_serves_a_reward_model_and_a_judge(channel, test_cluster):
+    """A generated classifier (in an allow-listed folder) and a generated chat judge, batched in the reward
+    replica; the judge's unparsable answers score 0 with a metric; a folder off the list is refused."""
+    from tests.support.reward_models import make_classifier
+
+    folder = make_classifier(test_cluster.models_dir / "reward" / "classifier")
+    stub = reward_pb2_grpc.RewardStub(channel)
+    items = [reward_pb2.ScoreItem(id=str(i), prompt="12+34=", completion=c) for i, c in enumerate(["64", "46", ""])]
+    rm = reward_pb2.RewardFunctionSpec(name="reward_model", args_json=json.dumps({"model": str(folder)}))
+    resp = stub.Score(reward_pb2.ScoreRequest(items=items, functions=[rm]), timeout=120)
+    assert resp.num_errors == 0 and len({round(r.score, 6) for r in resp.results}) == 3
+    assert [r.components["reward_model"] for r in resp.results] == [r.score for r in resp.results]
+    judge = reward_pb2.RewardFunctionSpec(name="llm_judge", weight=0.5, args_json=json.dumps(
+        {"model": "preset:tiny-chat", "min_score": 1000, "max_score": 2000, "max_new_tokens": 4}))
+    resp = stub.Score(reward_pb2.ScoreRequest(items=items, functions=[rm, judge]), timeout=180)
+    assert resp.num_errors == 0
+    assert all(r.components["llm_judge"] == 0.0 and r.metrics["llm_judge/unparsed"] == 1.0 for r in resp.results)
+    elsewhere = make_classifier(test_cluster.models_dir / "not_allowed")
+    err = status_of(lambda: stub.Score(reward_pb2.ScoreRequest(items=items, functions=[
+        reward_pb2.RewardFunctionSpec(name="reward_model", args_json=json.dumps({"model": str(elsewhere)}))])))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.details().startswith("functions[0].args.model:") and "reward.allowed_models" in err.details()
+    assert stub.Score(reward_pb2.ScoreRequest(items=items[:1])).results[0].status == reward_pb2.SCORE_STATUS_OK
+
+
 def test_reference_matches_rollout_logprobs(channel, test_cluster):
     """Reference logprobs equal the rollout's sampled-token logprobs for the same weights (1e-4)."""
     from rlserve.models import resolve_model

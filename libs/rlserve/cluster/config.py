@@ -105,6 +105,9 @@ class RewardPolicyCfg(BaseModel):
     allowed_plugins: list[str] = []
     # External reward servers a spec's `reward.endpoint` may name: host:port patterns (`*` globs).
     allowed_endpoints: list[str] = []
+    # Model folders the model-backed built-ins (`reward_model`, `llm_judge`) may load, or folders of
+    # them; relative paths: to this file. Generated `preset:` models are always allowed.
+    allowed_models: list[str] = []
 
 
 class ClusterFile(BaseModel):
@@ -191,7 +194,8 @@ class ClusterFile(BaseModel):
             "model_dirs": [fix(p) for p in self.model_dirs] if self.model_dirs is not None else [str(cwd / "models")],
             "data_dirs": [fix(p) for p in self.data_dirs] if self.data_dirs is not None else [str(cwd / "data")],
             "reward": self.reward.model_copy(
-                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins]})}
+                update={"allowed_plugins": [plugin(e) for e in self.reward.allowed_plugins],
+                        "allowed_models": [fix(p) for p in self.reward.allowed_models]})}
         if isinstance(self.auth, AuthCfg):
             update["auth"] = AuthCfg(token_file=fix(self.auth.token_file),
                                      admin_token_file=fix(self.auth.admin_token_file),

@@ -71,6 +71,7 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         args["paths"] = _paths(cfg, runs_dir)
     if name in ("reward", "coordinator"):
         args["allowed_plugins"] = list(cfg.reward.allowed_plugins)
+        args["allowed_models"] = list(cfg.reward.allowed_models)
     if name == "coordinator":
         args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
         args["quotas"] = cfg.quotas.model_dump(exclude_none=True)

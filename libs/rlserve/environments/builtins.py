@@ -29,8 +29,9 @@ class SingleTurn(Environment):
 
     def step(self, step: StepInput) -> StepOutput:
         ep = step.episode
-        score, components, _ = self.reward(RewardInput(ep.prompt, step.assistant, ep.answer, ep.metadata))
-        return StepOutput(observation=[], reward=score, done=True, metrics=components)
+        scored = self.reward(RewardInput(ep.prompt, step.assistant, ep.answer, ep.metadata))
+        return StepOutput(observation=[], reward=scored.total, done=True,
+                          metrics={**scored.components, **scored.metrics})
 
 
 _INTEGER = re.compile(r"-?\d+")

@@ -76,9 +76,10 @@ class ToolUse(Environment):
         parsed = parse_tool_calls(step.assistant)
         if not parsed.any:
             ep = step.episode
-            score, components, _ = self.reward(RewardInput(ep.prompt, step.assistant, ep.answer, ep.metadata))
-            return StepOutput([], score, True, {**components, "tool_calls": float(state["calls"]),
-                                                "turns": float(step.turn)}, state)
+            scored = self.reward(RewardInput(ep.prompt, step.assistant, ep.answer, ep.metadata))
+            return StepOutput([], scored.total, True, {**scored.components, **scored.metrics,
+                                                       "tool_calls": float(state["calls"]),
+                                                       "turns": float(step.turn)}, state)
         answers, errors = [], 0
         for call in parsed.calls:
             text, ok = self._answer(call)

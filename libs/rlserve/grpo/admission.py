@@ -126,8 +126,7 @@ class GrpoAdmission(Admission):
 
     def _check_plugins(self, spec: RunSpec) -> None:
         for i, f in enumerate(spec.reward.functions):
-            if f.import_path:
-                self.plugins.check(f"spec_yaml: reward.functions.{i}.import_path", f.import_path)
+            self.plugins.check_function(f"spec_yaml: reward.functions.{i}", f)
         env = spec.env
         if env.import_path:
             self.plugins.check("spec_yaml: env.import_path", env.import_path)
@@ -137,8 +136,7 @@ class GrpoAdmission(Admission):
             except ValueError as err:
                 raise invalid_argument("spec_yaml: env.args", str(err)) from None
             for i, f in enumerate(functions):
-                if f.import_path:
-                    self.plugins.check(f"spec_yaml: env.args.functions.{i}.import_path", f.import_path)
+                self.plugins.check_function(f"spec_yaml: env.args.functions.{i}", f)
         for key, endpoint in (("reward.endpoint", spec.reward.endpoint), ("env.endpoint", env.endpoint)):
             if endpoint and not any(fnmatch.fnmatchcase(endpoint, pat) for pat in self.allowed_endpoints):
                 raise permission_denied(f"spec_yaml: {key}", f"{endpoint!r} is not a server this cluster allows; "

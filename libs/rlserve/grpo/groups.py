@@ -35,6 +35,8 @@ class Group:
     ref_logprobs: list[list[float]] | None = None
     # The reward plug-ins' messages for the samples they failed to score (a group with any is dropped).
     reward_errors: list[str] = field(default_factory=list)
+    # Per sample, what the reward functions reported about it ("FUNCTION/KEY": value; `ScoreResult.metrics`).
+    reward_metrics: list[dict[str, float]] = field(default_factory=list)
     # Samples generated under more than one version (an in-flight update landed while they ran),
     # and the largest newest-minus-oldest version of any sample.
     mixed_samples: int = 0

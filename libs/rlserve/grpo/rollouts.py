@@ -144,6 +144,7 @@ async def rollout_groups(services: RunServices, inputs: RunInputs, examples: lis
             rewards=[r.score for r in results], weight_version=oldest,
             reward_errors=[r.error or "the reward service gave no message" for r in results
                            if r.status == reward_pb2.SCORE_STATUS_ERROR],
+            reward_metrics=[dict(r.metrics) for r in results if r.metrics],
             mixed_samples=mixed, version_spread=spread))
     await add_reference_logprobs(services, inputs, groups, reference_model, timings)
     return groups, scored.reward_version, timings

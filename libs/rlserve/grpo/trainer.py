@@ -93,11 +93,20 @@ def shaped_rewards(groups: list[Group], rewards: torch.Tensor, spec: RunSpec) ->
                     "reward/shaped_mean": shaped.mean().item()}
 
 
-def reward_metrics(rewards: torch.Tensor) -> dict[str, float]:
+def reward_metrics(rewards: torch.Tensor, groups: list[Group]) -> dict[str, float]:
+    """The rewards' spread, and the means of what the reward functions reported per sample
+    (`reward/FUNCTION/KEY`, e.g. a judge's unparsable answers)."""
     if not rewards.numel():
         return {"reward/mean": math.nan, "reward/std": 0.0, "reward/max": math.nan}
-    return {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "reward/max": rewards.max().item()}
+    out = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+           "reward/max": rewards.max().item()}
+    reported: dict[str, list[float]] = {}
+    for g in groups:
+        for sample in g.reward_metrics:
+            for key, value in sample.items():
+                reported.setdefault(key, []).append(value)
+    out.update({f"reward/{key}": sum(v) / len(v) for key, v in reported.items()})
+    return out
 
 
 def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:
@@ -168,7 +177,7 @@ class Trainer:
         rewards = torch.tensor([g.rewards for g in scored], dtype=torch.float32)
         ages = [bound.age(version, g.weight_version) for g in fresh]
         seen = dict(self.producer.activity)
-        metrics = {**produced.metrics, **reward_metrics(rewards),
+        metrics = {**produced.metrics, **reward_metrics(rewards, scored),
                    "batch/staleness_mean": sum(ages) / max(1, len(ages)),
                    "batch/staleness_max": float(max(ages, default=0)),
                    "batch/mixed_version_samples": float(sum(g.mixed_samples for g in fresh)),

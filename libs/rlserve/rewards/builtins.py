@@ -1,4 +1,5 @@
-"""Built-in reward functions for the synthetic tasks and for math answers (`math_verify`, in math_answers.py)."""
+"""Built-in reward functions for the synthetic tasks, for math answers (`math_verify`, in math_answers.py) and
+model-backed ones: a reward model (`reward_model`, reward_model.py) and a generative judge (`llm_judge`, judge.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from fractions import Fraction
 import regex
 
 from rlserve.rewards.interfaces import RewardFunction, RewardInput, RewardOutput
+from rlserve.rewards.judge import LlmJudge
 from rlserve.rewards.math_answers import MathVerify
+from rlserve.rewards.reward_model import SequenceClassifierReward
 
 
 class ExactMatch(RewardFunction):
@@ -103,4 +106,7 @@ class Countdown(RewardFunction):
 
 
 BUILTINS: dict[str, type[RewardFunction]] = {
-    f.name: f for f in (ExactMatch, MathVerify, FormatReward, LengthPenalty, Countdown)}
+    f.name: f for f in (ExactMatch, MathVerify, FormatReward, LengthPenalty, Countdown, SequenceClassifierReward,
+                        LlmJudge)}
+# Built-ins that load the model folder their `args.model` names: the folder must be allow-listed.
+MODEL_BACKED = frozenset({SequenceClassifierReward.name, LlmJudge.name})

@@ -10,11 +10,20 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlserve.rewards.builtins import BUILTINS
 from rlserve.rewards.config import RewardFunctionCfg
-from rlserve.rewards.interfaces import RewardInput, RewardOutput
+from rlserve.rewards.interfaces import BatchRewardFunction, RewardInput, RewardOutput
+
+
+class Scored(NamedTuple):
+    """One item's weighted total, each function's unweighted score, their info and their metrics."""
+
+    total: float
+    components: dict[str, float]
+    info: dict[str, Any]
+    metrics: dict[str, float]
 
 
 def import_object(import_path: str) -> Any:
@@ -60,7 +69,7 @@ def load_function(spec: RewardFunctionCfg) -> Callable[[RewardInput], RewardOutp
 
 
 class CombinedReward:
-    """Weighted sum of several functions. Raises when any function fails or returns a non-finite value."""
+    """Weighted sum of several functions; an item fails when any function fails on it or returns a non-finite value."""
 
     def __init__(self, specs: list[RewardFunctionCfg]):
         if not specs:
@@ -72,17 +81,51 @@ class CombinedReward:
         self.functions = [load_function(s) for s in specs]
         self.version = hashlib.sha1("\n".join(s.key() for s in specs).encode()).hexdigest()[:12]
 
-    def __call__(self, item: RewardInput) -> tuple[float, dict[str, float], dict[str, Any]]:
-        total, components, info = 0.0, {}, {}
-        for spec, fn in zip(self.specs, self.functions):
-            out = fn(item)
+    def __call__(self, item: RewardInput) -> Scored:
+        """One item's score, its components and info; raises when a function fails."""
+        out = self.score_many([item])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def score_many(self, items: list[RewardInput]) -> list[Scored | Exception]:
+        """Each item's `Scored`, or the exception of the first function that failed on it: batch
+        functions see every item at once, the others one at a time."""
+        outputs = [self._outputs(fn, items) for fn in self.functions]
+        return [self._combine([outs[i] for outs in outputs]) for i in range(len(items))]
+
+    @staticmethod
+    def _outputs(fn: Callable[[RewardInput], Any], items: list[RewardInput]) -> list[Any]:
+        if isinstance(fn, BatchRewardFunction):
+            try:
+                outs = fn.score_batch(items)
+            except Exception as err:  # noqa: BLE001 - a failed batch fails each of its items
+                return [err] * len(items)
+            if len(outs) != len(items):
+                return [ValueError(f"score_batch returned {len(outs)} outputs for {len(items)} items")] * len(items)
+            return outs
+        outs = []
+        for item in items:
+            try:
+                outs.append(fn(item))
+            except Exception as err:  # noqa: BLE001 - one item's failure is that item's
+                outs.append(err)
+        return outs
+
+    def _combine(self, outs: list[Any]) -> Scored | Exception:
+        total, components, info, metrics = 0.0, {}, {}, {}
+        for spec, out in zip(self.specs, outs):
+            if isinstance(out, Exception):
+                return out
             score = out.score if isinstance(out, RewardOutput) else out
             if isinstance(score, bool) or not isinstance(score, (int, float)):
-                raise TypeError(f"{spec.name} returned {type(score).__name__}, not a number")
+                return TypeError(f"{spec.name} returned {type(score).__name__}, not a number")
             if not math.isfinite(score):
-                raise ValueError(f"{spec.name} returned a non-finite score {score}")
+                return ValueError(f"{spec.name} returned a non-finite score {score}")
             components[spec.name] = float(score)
-            if isinstance(out, RewardOutput) and out.info:
-                info[spec.name] = out.info
+            if isinstance(out, RewardOutput):
+                if out.info:
+                    info[spec.name] = out.info
+                metrics.update({f"{spec.name}/{k}": float(v) for k, v in out.metrics.items()})
             total += spec.weight * float(score)
-        return total, components, info
+        return Scored(total, components, info, metrics)

@@ -19,38 +19,41 @@ log = logging.getLogger("rlserve.reward")
 
 def functions_from_proto(functions: list[reward_pb2.RewardFunctionSpec],
                          plugins: PluginPolicy) -> list[RewardFunctionCfg]:
-    """The request's functions; a plug-in by import path must be on the operator's allow-list."""
+    """The request's functions; a plug-in by import path, and a reward model's folder, must be on the
+    operator's allow-list."""
     specs = []
     for i, f in enumerate(functions):
-        if f.import_path:
-            plugins.check(f"functions[{i}].import_path", f.import_path)
         try:
-            specs.append(RewardFunctionCfg.from_proto(f))
+            spec = RewardFunctionCfg.from_proto(f)
         except BadFunction as err:
             raise invalid_argument(f"functions[{i}].{err.field}", err.problem) from None
+        plugins.check_function(f"functions[{i}]", spec)
+        specs.append(spec)
     return specs
 
 
 def score_batch(reward: CombinedReward, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+    """Every item at once (model-backed functions batch them); one item's failure is that item's status."""
     t0 = time.perf_counter()
-    results, errors = [], 0
+    inputs = []
     for i, item in enumerate(request.items):
         try:
             metadata = json.loads(item.metadata_json) if item.metadata_json else {}
         except json.JSONDecodeError as err:
             raise invalid_argument(f"items[{i}].metadata_json", f"not JSON: {err.msg}") from None
-        try:
-            score, components, info = reward(RewardInput(item.prompt, item.completion, item.reference_answer,
-                                                         metadata))
-            results.append(reward_pb2.ScoreResult(id=item.id, score=score, status=reward_pb2.SCORE_STATUS_OK,
-                                                  components=components,
-                                                  info_json=json.dumps(info, default=str) if info else ""))
-        except Exception as err:  # noqa: BLE001 - a plug-in's failure is this item's status, never the batch's
+        inputs.append(RewardInput(item.prompt, item.completion, item.reference_answer, metadata))
+    results, errors = [], 0
+    for i, (item, out) in enumerate(zip(request.items, reward.score_many(inputs) if inputs else [])):
+        if isinstance(out, Exception):
             errors += 1
-            message = f"{type(err).__name__}: {err}"[:300]
+            message = f"{type(out).__name__}: {out}"[:300]
             event(log, "reward.item_error", logging.WARNING, run=request.run_id or None, item=item.id or i,
                   error=message)
             results.append(reward_pb2.ScoreResult(id=item.id, score=0.0, status=reward_pb2.SCORE_STATUS_ERROR,
                                                   error=message))
+            continue
+        results.append(reward_pb2.ScoreResult(id=item.id, score=out.total, status=reward_pb2.SCORE_STATUS_OK,
+                                              components=out.components, metrics=out.metrics,
+                                              info_json=json.dumps(out.info, default=str) if out.info else ""))
     return reward_pb2.ScoreResponse(results=results, num_errors=errors, reward_version=reward.version,
                                     compute_seconds=time.perf_counter() - t0)

@@ -5,6 +5,11 @@ request) that names code by import path would otherwise run it in the
 cluster with the caller's arguments (`subprocess:Popen` ran a shell command).
 Only entries of the cluster file's `reward.allowed_plugins` pass; the
 operator's own path to new code is `deploy/serve swap reward`.
+
+The model-backed built-ins (`reward_model`, `llm_judge`) load the folder their
+`args.model` names into the reward replica: only folders the cluster file's
+`reward.allowed_models` lists (or folders inside them) pass, and generated
+`preset:` models.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from rlserve.rewards.config import MODEL_BACKED, RewardFunctionCfg
 from rlserve.rpc import permission_denied
 
 ALLOW_KEY = "reward.allowed_plugins"
+MODELS_KEY = "reward.allowed_models"
 
 
 def normalize(import_path: str) -> str:
@@ -26,8 +33,29 @@ def normalize(import_path: str) -> str:
 
 
 class PluginPolicy:
-    def __init__(self, allowed: Iterable[str]):
+    def __init__(self, allowed: Iterable[str], allowed_models: Iterable[str] = ()):
         self.allowed = frozenset(normalize(p) for p in allowed)
+        self.allowed_models = tuple(Path(m).expanduser().resolve() for m in allowed_models)
+
+    def check_function(self, field: str, function: RewardFunctionCfg) -> None:
+        """A reward function a request names (`field`: where, e.g. `spec_yaml: reward.functions.0`): its
+        plug-in, or the model folder of a model-backed built-in, must be allowed."""
+        if function.import_path:
+            self.check(f"{field}.import_path", function.import_path)
+        elif function.name in MODEL_BACKED:
+            self.check_model(f"{field}.args.model", function.args.get("model"))
+
+    def check_model(self, field: str, model: object) -> None:
+        """PERMISSION_DENIED unless `model` is a generated preset or a folder in (or inside) an allowed one."""
+        if isinstance(model, str) and model.startswith("preset:"):
+            return
+        if isinstance(model, str) and model and "\x00" not in model and len(model) <= 4096:
+            path = Path(model).expanduser().resolve()
+            if any(path == root or path.is_relative_to(root) for root in self.allowed_models):
+                return
+        shown = repr(model)[:200]
+        raise permission_denied(field, f"reward model {shown} is not allowed on this cluster; an operator can add "
+                                       f"its folder to `{MODELS_KEY}` in the cluster file")
 
     def check(self, field: str, import_path: str) -> None:
         """PERMISSION_DENIED unless `import_path` is allow-listed (built-ins are named without one)."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlserve/v1/reward.proto\x12\nrlserve.v1\"j\n\x12RewardFunctionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bimport_path\x18\x02 \x01(\t\x12\x13\n\x06weight\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\targs_json\x18\x04 \x01(\tB\t\n\x07_weight\"l\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x18\n\x10reference_answer\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\"w\n\x0cScoreRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.rlserve.v1.ScoreItem\x12\x31\n\tfunctions\x18\x02 \x03(\x0b\x32\x1e.rlserve.v1.RewardFunctionSpec\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\xe3\x01\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.rlserve.v1.ScoreStatus\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12;\n\ncomponents\x18\x05 \x03(\x0b\x32\'.rlserve.v1.ScoreResult.ComponentsEntry\x12\x11\n\tinfo_json\x18\x06 \x01(\t\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"~\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlserve.v1.ScoreResult\x12\x12\n\nnum_errors\x18\x02 \x01(\x05\x12\x16\n\x0ereward_version\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01*X\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x32\x46\n\x06Reward\x12<\n\x05Score\x12\x18.rlserve.v1.ScoreRequest\x1a\x19.rlserve.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlserve/v1/reward.proto\x12\nrlserve.v1\"j\n\x12RewardFunctionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bimport_path\x18\x02 \x01(\t\x12\x13\n\x06weight\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\targs_json\x18\x04 \x01(\tB\t\n\x07_weight\"l\n\tScoreItem\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x18\n\x10reference_answer\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\"w\n\x0cScoreRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.rlserve.v1.ScoreItem\x12\x31\n\tfunctions\x18\x02 \x03(\x0b\x32\x1e.rlserve.v1.RewardFunctionSpec\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\xca\x02\n\x0bScoreResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x01\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.rlserve.v1.ScoreStatus\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12;\n\ncomponents\x18\x05 \x03(\x0b\x32\'.rlserve.v1.ScoreResult.ComponentsEntry\x12\x11\n\tinfo_json\x18\x06 \x01(\t\x12\x35\n\x07metrics\x18\x07 \x03(\x0b\x32$.rlserve.v1.ScoreResult.MetricsEntry\x1a\x31\n\x0f\x43omponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"~\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.rlserve.v1.ScoreResult\x12\x12\n\nnum_errors\x18\x02 \x01(\x05\x12\x16\n\x0ereward_version\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01*X\n\x0bScoreStatus\x12\x1c\n\x18SCORE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSCORE_STATUS_OK\x10\x01\x12\x16\n\x12SCORE_STATUS_ERROR\x10\x02\x32\x46\n\x06Reward\x12<\n\x05Score\x12\x18.rlserve.v1.ScoreRequest\x1a\x19.rlserve.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._loaded_options = None
   _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_options = b'8\001'
-  _globals['_SCORESTATUS']._serialized_start=736
-  _globals['_SCORESTATUS']._serialized_end=824
+  _globals['_SCORERESULT_METRICSENTRY']._loaded_options = None
+  _globals['_SCORERESULT_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_SCORESTATUS']._serialized_start=839
+  _globals['_SCORESTATUS']._serialized_end=927
   _globals['_REWARDFUNCTIONSPEC']._serialized_start=39
   _globals['_REWARDFUNCTIONSPEC']._serialized_end=145
   _globals['_SCOREITEM']._serialized_start=147
@@ -42,11 +44,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST']._serialized_start=257
   _globals['_SCOREREQUEST']._serialized_end=376
   _globals['_SCORERESULT']._serialized_start=379
-  _globals['_SCORERESULT']._serialized_end=606
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=557
-  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=606
-  _globals['_SCORERESPONSE']._serialized_start=608
-  _globals['_SCORERESPONSE']._serialized_end=734
-  _globals['_REWARD']._serialized_start=826
-  _globals['_REWARD']._serialized_end=896
+  _globals['_SCORERESULT']._serialized_end=709
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_start=612
+  _globals['_SCORERESULT_COMPONENTSENTRY']._serialized_end=661
+  _globals['_SCORERESULT_METRICSENTRY']._serialized_start=663
+  _globals['_SCORERESULT_METRICSENTRY']._serialized_end=709
+  _globals['_SCORERESPONSE']._serialized_start=711
+  _globals['_SCORERESPONSE']._serialized_end=837
+  _globals['_REWARD']._serialized_start=929
+  _globals['_REWARD']._serialized_end=999
 # @@protoc_insertion_point(module_scope)

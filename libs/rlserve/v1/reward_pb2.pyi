@@ -53,8 +53,15 @@ class ScoreRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ..., functions: _Optional[_Iterable[_Union[RewardFunctionSpec, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("id", "score", "status", "error", "components", "info_json")
+    __slots__ = ("id", "score", "status", "error", "components", "info_json", "metrics")
     class ComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -67,13 +74,15 @@ class ScoreResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     id: str
     score: float
     status: ScoreStatus
     error: str
     components: _containers.ScalarMap[str, float]
     info_json: str
-    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., status: _Optional[_Union[ScoreStatus, str]] = ..., error: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., info_json: _Optional[str] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., status: _Optional[_Union[ScoreStatus, str]] = ..., error: _Optional[str] = ..., components: _Optional[_Mapping[str, float]] = ..., info_json: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("results", "num_errors", "reward_version", "compute_seconds")

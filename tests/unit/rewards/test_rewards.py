@@ -46,7 +46,7 @@ def test_combined_weights_and_plugin_file(tmp_path):
     reward = CombinedReward([RewardFunctionCfg(name="len", import_path=f"{plugin}"),
                              RewardFunctionCfg(name="exact_match", weight=2.0),
                              RewardFunctionCfg(name="k", import_path=f"{plugin}:Scaled", weight=0.5, args={"k": 4})])
-    score, components, _ = reward(item("42"))
+    score, components, _, _ = reward(item("42"))
     assert components == {"len": 2.0, "exact_match": 1.0, "k": 4.0}
     assert score == 2.0 + 2.0 + 2.0
 
@@ -90,5 +90,5 @@ def test_weight_zero_is_honoured_and_unset_means_one():
     specs = functions_from_proto([reward_pb2.RewardFunctionSpec(name="exact_match", weight=0.0),
                               reward_pb2.RewardFunctionSpec(name="format")], PluginPolicy([]))
     assert [s.weight for s in specs] == [0.0, 1.0]
-    score, components, _ = CombinedReward(specs[:1])(item("42"))
+    score, components, _, _ = CombinedReward(specs[:1])(item("42"))
     assert score == 0.0 and components == {"exact_match": 1.0}
