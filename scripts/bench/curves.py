@@ -12,7 +12,7 @@ task of a different kind: sort four digits, `sort:5281=` -> `1258`, from JSONL f
 writes and reads through `data.task: jsonl`).
 
     .venv/bin/python scripts/bench/curves.py [--steps 60] [--tasks addition sort] \\
-        [--algorithms grpo dapo gspo cispo rloo reinforce_pp] [--val-period 10]
+        [--algorithms grpo dapo gspo cispo rloo reinforce_pp] [--val-period 10] [--out curves]
 
 Wall seconds count from the run's first validation (step 0) and include the later validation
 passes, which cost every algorithm the same.
@@ -49,7 +49,11 @@ ALGORITHMS: dict[str, tuple[str, dict]] = {
     "rloo": ("grpo_addition.yaml", {"grpo": {"adv_estimator": {"name": "grpo", "normalize_rewards": False,
                                                                "use_leave_one_out_baseline": True}}}),
     "reinforce_pp": ("grpo_addition_reinforce_pp.yaml", {}),
+    # Not in the default set: GRPO with GSPO's sequence-mean loss but per-token ratios (the GRPO paper's
+    # form), to tell the effect of GSPO's ratios from that of its loss aggregation.
+    "grpo_seqmean": ("grpo_addition.yaml", {"loss_fn": {"token_level_loss": False}}),
 }
+DEFAULT_ALGORITHMS = ["grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp"]
 TASKS = ("addition", "sort")
 SORT_DIGITS = 4
 COLUMNS = ["task", "algorithm", "steps", "val_start", "val_end", "gain", "val_best", "train_s",
@@ -175,7 +179,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--val-period", type=int, default=10)
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
+    parser.add_argument("--algorithms", nargs="+", default=DEFAULT_ALGORITHMS, choices=list(ALGORITHMS))
+    parser.add_argument("--out", default="curves", help="bench-results/OUT.json and OUT.png")
     args = parser.parse_args()
     if args.steps < 1 or not 1 <= args.val_period <= args.steps:
         parser.error("--steps must be positive and --val-period in 1..steps")
@@ -213,18 +218,19 @@ def main() -> None:
                     curves[task][algorithm] = curve(events)
                     rows.append(summary(task, algorithm, curves[task][algorithm]))
                     print(table(rows[-1:], COLUMNS), flush=True)
-                    written = save(rows, curves, args)  # after every run: a stopped harness keeps what it measured
+                    written = save(rows, curves, args, args.out)  # after every run: a stopped harness keeps what it measured
     finally:
         down(cluster)
     print(table(rows, COLUMNS))
     print("wrote", *written)
 
 
-def save(rows: list[dict], curves: dict[str, dict[str, list[dict]]], args: argparse.Namespace) -> tuple[Path, Path]:
+def save(rows: list[dict], curves: dict[str, dict[str, list[dict]]], args: argparse.Namespace,
+         name: str) -> tuple[Path, Path]:
     RESULTS_DIR.mkdir(exist_ok=True)
-    png = RESULTS_DIR / "curves.png"
+    png = RESULTS_DIR / f"{name}.png"
     plot(curves, png)
-    return png, record("curves", rows, {"steps": args.steps, "val_period": args.val_period, "curves": curves,
+    return png, record(name, rows, {"steps": args.steps, "val_period": args.val_period, "curves": curves,
                                         "note": "one run per algorithm and task, from the same start point"})
 
 

@@ -1,11 +1,13 @@
 """`tool_use`: the policy may call tools before it answers; its first message without a tool call is
 its answer, scored by reward functions (the run's `args.functions`, or the service's default).
 
-The tools are declared to the policy in a system message, in the Hermes / Qwen
-form those models' chat templates render a `tools=` list into (a `<tools>`
-block of JSON schemas and the `<tool_call>` format), so a template without
-tool support works too. Each call is answered in the next user turn as
-`<tool_response>` blocks; a malformed call, an unknown tool or a tool's error
+The tools are declared to the policy in a system message, in the form the
+model family's chat templates render a `tools=` list into, so a template
+without tool support works too: `tool_format: hermes` (Hermes / Qwen, the
+default: a `<tools>` block of JSON schemas and the `<tool_call>` format, each
+call answered in the next user turn as `<tool_response>` blocks) or `llama3`
+(Llama 3.1-3.3: the message is the JSON call with `parameters`, each call
+answered by a `tool` message; `tools.calls` parses both). A malformed call, an unknown tool or a tool's error
 is an answer too (counted in `malformed_calls` and `tool_errors`), never an
 exception. Built-in tools: `calculator` (`tools.calculator`) and `python`
 (`tools.sandbox`: no network, no files but its own, limits, not root). The
@@ -20,7 +22,7 @@ from typing import Any
 
 from rlserve.environments.interfaces import Environment, Episode, ResetOutput, StepInput, StepOutput
 from rlserve.environments.tools.calculator import CalculatorError, calculate
-from rlserve.environments.tools.calls import ToolCall, parse_tool_calls, tool_response
+from rlserve.environments.tools.calls import FORMATS, ToolCall, observation, parse_tool_calls
 from rlserve.environments.tools.sandbox import Limits, SandboxUnavailable, run_python
 from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.loader import CombinedReward
@@ -36,7 +38,12 @@ SCHEMAS = {
 MAX_CODE_CHARS = 16_384
 
 
-def _system_prompt(tools: list[str]) -> str:
+def _system_prompt(tools: list[str], fmt: str) -> str:
+    if fmt == "llama3":
+        declared = "\n\n".join(json.dumps({"type": "function", "function": SCHEMAS[t]}, indent=4) for t in tools)
+        return ("You may call functions. To call one, respond with only a JSON object of the form "
+                '{"name": function name, "parameters": dictionary of argument name and its value}, and read '
+                "its answer in the next message. Answer in plain text when you are done.\n\n" + declared)
     declared = "\n".join(json.dumps({"type": "function", "function": SCHEMAS[t]}) for t in tools)
     return ("You may call tools. The tools are:\n<tools>\n" + declared + "\n</tools>\nTo call one, write\n"
             '<tool_call>\n{"name": <tool name>, "arguments": <arguments as JSON>}\n</tool_call>\n'
@@ -47,10 +54,13 @@ class ToolUse(Environment):
     name = "tool_use"
 
     def __init__(self, reward: CombinedReward, tools: list[str] | None = None, max_output_chars: int = 2000,
-                 python_wall_s: float = 10.0):
+                 python_wall_s: float = 10.0, tool_format: str = "hermes"):
         tools = ["calculator"] if tools is None else tools
         if not isinstance(tools, list) or not tools or any(t not in SCHEMAS for t in tools):
             raise ValueError(f"tools: a non-empty list of {sorted(SCHEMAS)}, got {tools!r}")
+        if tool_format not in FORMATS:
+            raise ValueError(f"tool_format: one of {', '.join(FORMATS)}, got {tool_format!r}")
+        self.format = tool_format
         if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int) \
                 or not 16 <= max_output_chars <= 65_536:
             raise ValueError(f"max_output_chars: an integer in 16..65536, got {max_output_chars!r}")
@@ -64,7 +74,7 @@ class ToolUse(Environment):
 
     def reset(self, episode: Episode) -> ResetOutput:
         messages = list(episode.messages)
-        prompt = _system_prompt(self.tools)
+        prompt = _system_prompt(self.tools, self.format)
         if messages and messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
         else:
@@ -73,7 +83,7 @@ class ToolUse(Environment):
 
     def step(self, step: StepInput) -> StepOutput:
         state = step.state or {"calls": 0}
-        parsed = parse_tool_calls(step.assistant)
+        parsed = parse_tool_calls(step.assistant, self.format)
         if not parsed.any:
             ep = step.episode
             scored = self.reward(RewardInput(ep.prompt, step.assistant, ep.answer, ep.metadata))
@@ -83,13 +93,13 @@ class ToolUse(Environment):
         answers, errors = [], 0
         for call in parsed.calls:
             text, ok = self._answer(call)
-            answers.append(tool_response(text))
+            answers.append(text)
             errors += not ok
-        answers += [tool_response(f"error: {e}") for e in parsed.errors]
+        answers += [f"error: {e}" for e in parsed.errors]
         state = {"calls": state["calls"] + len(parsed.calls)}
         metrics = {"malformed_calls": float(len(parsed.errors)), "tool_errors": float(errors),
                    "tool_calls": float(state["calls"])}
-        return StepOutput([{"role": "user", "content": "\n".join(answers)}], 0.0, False, metrics, state)
+        return StepOutput(observation(answers, self.format), 0.0, False, metrics, state)
 
     def _answer(self, call: ToolCall) -> tuple[str, bool]:
         if call.name not in self.tools:

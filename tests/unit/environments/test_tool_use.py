@@ -1,5 +1,5 @@
-"""Tool calls: the Hermes format parsed without exceptions on malformed input, the calculator without
-`eval`, and the `tool_use` environment answering calls turn by turn until the policy answers."""
+"""Tool calls: the Hermes and Llama 3 formats parsed without exceptions on malformed input, the calculator
+without `eval`, and the `tool_use` environment answering calls turn by turn until the policy answers."""
 
 from __future__ import annotations
 
@@ -43,6 +43,31 @@ def test_tool_calls_are_parsed_and_malformed_ones_become_errors():
     assert not parse_tool_calls("The answer is 4.").any
 
 
+@pytest.mark.parametrize("text, calls, errors", [
+    ('{"name": "calculator", "parameters": {"expression": "2+2"}}', [("calculator", {"expression": "2+2"})], 0),
+    ('<|python_tag|>{"name": "calculator", "parameters": {"expression": "3*3"}}',
+     [("calculator", {"expression": "3*3"})], 0),
+    ('{"name": "calculator", "arguments": {"expression": "1"}}', [("calculator", {"expression": "1"})], 0),
+    ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": "};{"}}', [("a", {}), ("b", {"x": "};{"})], 0),
+    ('{"name": "calculator", "parameters": "2+2"}', [], 1), ('{"name": calc}', [], 1), ("<|python_tag|>print(1)", [], 1),
+    ("The answer is 4.", [], 0), ("4", [], 0)])
+def test_llama3_json_tool_calls_are_parsed_and_malformed_ones_become_errors(text, calls, errors):
+    parsed = parse_tool_calls(text, "llama3")
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls and len(parsed.errors) == errors
+
+
+def test_an_episode_in_the_llama3_format_answers_each_call_with_a_tool_message():
+    env = environment(tool_format="llama3")
+    start = env.reset(EPISODE)
+    assert '"parameters"' in start.messages[0]["content"] and "<tool_call>" not in start.messages[0]["content"]
+    call = '{"name": "calculator", "parameters": {"expression": "1234 * 5678"}}; {"name": "python", "parameters": {}}'
+    first = env.step(StepInput(EPISODE, start.messages, call, start.state, 1))
+    assert first.observation == [{"role": "tool", "content": "7006652"},
+                                 {"role": "tool", "content": "error: unknown tool 'python'; the tools are calculator"}]
+    last = env.step(StepInput(EPISODE, [], "7006652", first.state, 2))
+    assert last.done and last.reward == 1.0
+
+
 def environment(**args):
     cfg = EnvironmentCfg(name="tool_use", args={"functions": [{"name": "exact_match"}], **args})
     return load_environment(cfg, default_reward=lambda: CombinedReward([]))
@@ -74,7 +99,8 @@ def test_unknown_tools_bad_arguments_and_malformed_calls_are_answers_not_excepti
 
 
 @pytest.mark.parametrize("args, words", [({"tools": ["shell"]}, "tools"), ({"tools": []}, "tools"),
-                                         ({"max_output_chars": 1}, "max_output_chars"), ({"colour": 1}, "takes only")])
+                                         ({"max_output_chars": 1}, "max_output_chars"), ({"colour": 1}, "takes only"),
+                                         ({"tool_format": "mistral"}, "tool_format")])
 def test_bad_environment_args_name_the_arg(args, words):
     with pytest.raises(ValueError, match=words):
         environment(**args)
