@@ -131,19 +131,16 @@ def watch(client, spec: dict) -> tuple[str, list]:  # noqa: ANN001 - a Coordinat
 
 
 def curve(events: list) -> list[dict]:
-    """(step, wall seconds since the step-0 validation, trajectories trained so far, held-out reward)."""
+    """(steps trained, wall seconds since the step-0 validation, trajectories trained, held-out reward) at each
+    validation. A step's STEP event comes after the validation that follows it, so a validation's step is its
+    weight version (one per step) and its trajectories are those of that many STEP events."""
     from rlserve.v1 import coordinator_pb2 as pb
 
-    points, steps, trained, t0 = [], 0, 0.0, None
-    for ev in events:
-        if ev.kind == pb.EVENT_KIND_STEP:
-            steps += 1
-            trained += ev.metrics.get("batch/trajectories_trained", 0.0)
-        elif ev.kind == pb.EVENT_KIND_VALIDATION and "val/reward" in ev.metrics:
-            t0 = ev.time_unix if t0 is None else t0
-            points.append({"step": steps, "wall_s": ev.time_unix - t0, "trajectories": trained,
-                           "val_reward": ev.metrics["val/reward"]})
-    return points
+    per_step = [ev.metrics.get("batch/trajectories_trained", 0.0) for ev in events if ev.kind == pb.EVENT_KIND_STEP]
+    vals = [ev for ev in events if ev.kind == pb.EVENT_KIND_VALIDATION and "val/reward" in ev.metrics]
+    return [{"step": int(ev.metrics["val/weight_version"]), "wall_s": ev.time_unix - vals[0].time_unix,
+             "trajectories": sum(per_step[:int(ev.metrics["val/weight_version"])]),
+             "val_reward": ev.metrics["val/reward"]} for ev in vals]
 
 
 def summary(task: str, algorithm: str, points: list[dict]) -> dict:
