@@ -42,3 +42,37 @@ def record(name: str, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
                                 "machine": platform.machine(), "python": platform.python_version(),
                                 **meta, "rows": rows}, indent=1) + "\n")
     return path
+
+
+def sync_or_async_ages(modes: list[str]) -> dict[str, int]:
+    """`sync` -> 0, `async-AGE` -> AGE (the max trajectory age); ValueError naming an unknown mode."""
+    ages = {}
+    for mode in modes:
+        kind, _, age = mode.partition("-")
+        if (kind, age) != ("sync", "") and not (kind == "async" and age.isdigit() and int(age) > 0):
+            raise ValueError(f"unknown mode {mode!r}: sync or async-AGE")
+        ages[mode] = int(age or 0)
+    return ages
+
+
+def plot_curves(panels: dict[str, dict[str, list[dict[str, float]]]], xs: list[tuple[str, str]], path: Path,
+                line_at: float | None = None) -> None:
+    """Held-out reward curves, a row per panel (title -> label -> points) and a column per x (key, label)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), len(xs), figsize=(5.5 * len(xs), 4 * len(panels)), squeeze=False)
+    for row, (title, curves) in enumerate(panels.items()):
+        for col, (x, label) in enumerate(xs):
+            ax = axes[row][col]
+            for name, points in curves.items():
+                ax.plot([p[x] for p in points], [p["val_reward"] for p in points], marker="o", label=name)
+            if line_at is not None:
+                ax.axhline(line_at, color="grey", lw=0.8, ls="--")
+            ax.set(xlabel=label, ylabel="held-out reward", title=f"{title}: held-out reward vs {label}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -36,7 +36,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import RESULTS_DIR, record, table  # noqa: E402
+from scripts.bench.common import RESULTS_DIR, plot_curves, record, table  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 # algorithm -> (the example spec it starts from, the keys that make it; nested dicts are merged)
@@ -152,25 +152,6 @@ def summary(task: str, algorithm: str, points: list[dict]) -> dict:
             "time_to_gain_0.2_s": reached}
 
 
-def plot(curves: dict[str, dict[str, list[dict]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(curves), 2, figsize=(11, 4 * len(curves)), squeeze=False)
-    for row, (task, by_algorithm) in enumerate(curves.items()):
-        for col, (x, label) in enumerate((("wall_s", "wall-clock seconds"), ("trajectories", "trajectories trained"))):
-            ax = axes[row][col]
-            for algorithm, points in by_algorithm.items():
-                ax.plot([p[x] for p in points], [p["val_reward"] for p in points], marker="o", label=algorithm)
-            ax.set(xlabel=label, ylabel="held-out reward", title=f"{task}: held-out reward vs {label}")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -226,7 +207,7 @@ def save(rows: list[dict], curves: dict[str, dict[str, list[dict]]], args: argpa
          name: str) -> tuple[Path, Path]:
     RESULTS_DIR.mkdir(exist_ok=True)
     png = RESULTS_DIR / f"{name}.png"
-    plot(curves, png)
+    plot_curves(curves, [("wall_s", "wall-clock seconds"), ("trajectories", "trajectories trained")], png)
     return png, record(name, rows, {"steps": args.steps, "val_period": args.val_period, "curves": curves,
                                         "note": "one run per algorithm and task, from the same start point"})
 

@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import record, table  # noqa: E402
+from scripts.bench.common import record, sync_or_async_ages, table  # noqa: E402
 
 PLUGIN = f"{ROOT / 'scripts' / 'bench' / 'envs' / 'slow_guess.py'}:SlowGuessNumber"
 COLUMNS = ["mode", "latency_ms", "step_s", "trajectories_per_s", "engine_idle", "turns_mean", "env_calls_per_step",
@@ -57,12 +57,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be at least 3: the first step (engine warm-up) is not counted")
-    ages = {}
-    for mode in args.modes:
-        kind, _, age = mode.partition("-")
-        if (kind, age) != ("sync", "") and not (kind == "async" and age.isdigit() and int(age) > 0):
-            parser.error(f"unknown mode {mode!r}: sync or async-AGE")
-        ages[mode] = int(age or 0)
+    try:
+        ages = sync_or_async_ages(args.modes)
+    except ValueError as err:
+        parser.error(str(err))
 
     import yaml
 

@@ -35,7 +35,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import record, table  # noqa: E402
+from scripts.bench.common import record, sync_or_async_ages, table  # noqa: E402
 
 COLUMNS = ["mode", "layout", "component", "wall_s", "compute_s", "gap_s", "share_of_step", "vs_sync_shared"]
 # component -> (wall metric, compute: the wall minus this plumbing metric, or this compute metric)
@@ -113,12 +113,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be at least 4: the first 2 steps (engine warm-up) are not counted")
-    ages = {}
-    for mode in args.modes:
-        kind, _, age = mode.partition("-")
-        if (kind, age) != ("sync", "") and not (kind == "async" and age.isdigit() and int(age) > 0):
-            parser.error(f"unknown mode {mode!r}: sync or async-AGE")
-        ages[mode] = int(age or 0)
+    try:
+        ages = sync_or_async_ages(args.modes)
+    except ValueError as err:
+        parser.error(str(err))
 
     import yaml
 

@@ -32,7 +32,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import RESULTS_DIR, record, table  # noqa: E402
+from scripts.bench.common import RESULTS_DIR, plot_curves, record, table  # noqa: E402
 from scripts.bench.curves import load_example, merged, warm_start_spec, watch  # noqa: E402
 
 TRL_ENV = ROOT / "bench-envs" / "trl"
@@ -112,25 +112,6 @@ def trl_inputs(spec: dict, start: Path, steps: int) -> dict:
                 "clip": spec["loss_fn"]["ratio_clip_max"], "seed": g.seed, "threads": run_spec.cluster.torch_threads}}
 
 
-def plot(curves: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for system, points in curves.items():
-        for ax, x in zip(axes, ("train_s", "trajectories")):
-            ax.plot([p[x] for p in points], [p["val_reward"] for p in points], marker="o", label=system)
-    for ax, label in zip(axes, ("train seconds (evaluation excluded)", "trajectories trained")):
-        ax.set(xlabel=label, ylabel="held-out reward", title=f"demo task: held-out reward vs {label}")
-        ax.axhline(0.7, color="grey", lw=0.8, ls="--")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -181,7 +162,8 @@ def main() -> None:
         r["vs_trl"] = r["trajectories_per_s"] / trl_rate
     print(table(rows, COLUMNS))
     RESULTS_DIR.mkdir(exist_ok=True)
-    plot(curves, RESULTS_DIR / "vs_trl.png")
+    plot_curves({"demo task": curves}, [("train_s", "train seconds (evaluation excluded)"),
+                                        ("trajectories", "trajectories trained")], RESULTS_DIR / "vs_trl.png", 0.7)
     print("wrote", RESULTS_DIR / "vs_trl.png", record("vs_trl", rows, {"steps": args.steps, "curves": curves,
                                                                     "trl_version": args.trl_version}))
 

@@ -43,7 +43,7 @@ from rlserve.environments.serving import (
     messages_from_proto,
     messages_to_proto,
 )
-from rlserve.grpo.groups import Group
+from rlserve.grpo.groups import Group, per_sample_means
 from rlserve.grpo.rollouts import BatchTimings, add_reference_logprobs, record_generate, sampling_params
 from rlserve.grpo.services import RunServices
 from rlserve.grpo.state import RunInputs
@@ -282,13 +282,7 @@ def episode_metrics(groups: list[Group], prefix: str = "episode/") -> dict[str, 
     out[f"{prefix}turns_mean"] = sum(t for g in groups for t in g.turns) / len(endings)
     out[f"{prefix}context_tokens_mean"] = sum(
         len(m) - sum(m) for g in groups for m in (g.loss_masks or [])) / len(endings)
-    sums: dict[str, list[float]] = {}
-    for g in groups:
-        for m in g.episode_metrics:
-            for k, v in m.items():
-                sums.setdefault(k, []).append(v)
-    out.update({f"{prefix}env/{k}": sum(v) / len(v) for k, v in sums.items()})
-    return out
+    return {**out, **per_sample_means([m for g in groups for m in g.episode_metrics], f"{prefix}env/")}
 
 
 async def evaluate_episodes(services: RunServices, inputs: RunInputs, min_version: int

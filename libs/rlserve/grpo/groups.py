@@ -133,3 +133,13 @@ class StepQueue:
             async with self._changed:
                 self._changed.notify_all()
         asyncio.get_running_loop().create_task(notify())
+
+
+def per_sample_means(samples: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Each key's mean over the samples that report it (environment or reward-function metrics), as
+    `PREFIX + key`."""
+    reported: dict[str, list[float]] = {}
+    for sample in samples:
+        for key, value in sample.items():
+            reported.setdefault(key, []).append(value)
+    return {f"{prefix}{key}": sum(v) / len(v) for key, v in reported.items()}

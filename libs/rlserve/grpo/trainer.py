@@ -25,7 +25,7 @@ from rlserve.algorithms.reward_shaping import overlong_penalty
 from rlserve.config import RunSpec
 from rlserve.grpo.checkpoints import Checkpoints
 from rlserve.grpo.episodes import episode_metrics
-from rlserve.grpo.groups import Group, ProducedStep, StepQueue, summarize_errors
+from rlserve.grpo.groups import Group, ProducedStep, StepQueue, per_sample_means, summarize_errors
 from rlserve.grpo.services import RunServices
 from rlserve.grpo.state import Activity, ProducerState, RunInputs, TrainerState
 from rlserve.grpo.sync import WeightSync
@@ -100,13 +100,7 @@ def reward_metrics(rewards: torch.Tensor, groups: list[Group]) -> dict[str, floa
         return {"reward/mean": math.nan, "reward/std": 0.0, "reward/max": math.nan}
     out = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
            "reward/max": rewards.max().item()}
-    reported: dict[str, list[float]] = {}
-    for g in groups:
-        for sample in g.reward_metrics:
-            for key, value in sample.items():
-                reported.setdefault(key, []).append(value)
-    out.update({f"reward/{key}": sum(v) / len(v) for key, v in reported.items()})
-    return out
+    return {**out, **per_sample_means([m for g in groups for m in g.reward_metrics], "reward/")}
 
 
 def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, float]:
