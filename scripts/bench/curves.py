@@ -52,6 +52,10 @@ ALGORITHMS: dict[str, tuple[str, dict]] = {
     # Not in the default set: GRPO with GSPO's sequence-mean loss but per-token ratios (the GRPO paper's
     # form), to tell the effect of GSPO's ratios from that of its loss aggregation.
     "grpo_seqmean": ("grpo_addition.yaml", {"loss_fn": {"token_level_loss": False}}),
+    # GSPO with its paper's clip range (Zheng et al. 2025: 3e-4 below, 4e-4 above).
+    "gspo_paper_clip": ("grpo_addition.yaml", {"loss_fn": {"sequence_level_importance_ratios": True,
+                                                           "token_level_loss": False, "ratio_clip_min": 3e-4,
+                                                           "ratio_clip_max": 4e-4}}),
 }
 DEFAULT_ALGORITHMS = ["grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp"]
 TASKS = ("addition", "sort")
