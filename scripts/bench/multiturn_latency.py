@@ -1,12 +1,13 @@
 """Multi-turn episodes against a slow environment: does the engine idle while episodes wait on it?
 
-The guess-number game (`examples/grpo_guess_number.yaml`'s task, without its SFT warm start: the
-untrained chat model guesses at random, so most episodes run to `max_rollout_turns`) with every
-Reset and Step delayed by 0, 50 and 200 ms (`scripts/bench/envs/slow_guess.py`), synchronous and
-async (max age 1), side by side in one invocation on one local cluster. Per mode, the medians over
-the steps after the first (engine warm-up) of: step seconds, trajectories/s, the rollout engine's idle
-share of the step (`engine/idle_fraction`: no request in the engine), mean turns per episode, and the
-slow-down against the same mode with no latency.
+The guess-number game (`examples/grpo_guess_number.yaml`), started from that example's SFT warm start
+(run once here: it teaches the answer's format, a number and the turn's end, so that episodes go on
+turn after turn; the untrained model's turns are cut at their token cap and end the episode at its
+first turn), with every Reset and Step delayed by 0, 50 and 200 ms (`scripts/bench/envs/slow_guess.py`),
+synchronous and async (max age 1), side by side in one invocation on one local cluster. Per mode, the
+medians over the steps after the first (engine warm-up) of: step seconds, trajectories/s, the rollout
+engine's idle share of the step (`engine/idle_fraction`: no request in the engine), mean turns per
+episode, and the slow-down against the same mode with no latency.
 
 Each prompt's episodes advance on their own: while one waits on its environment, the engine generates
 the next turns of the others (`env.max_concurrent_episodes`), so latency shows as idle only when
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -29,18 +31,27 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench.common import record, sync_or_async_ages, table  # noqa: E402
+from scripts.bench.curves import load_example, watch  # noqa: E402
 
 PLUGIN = f"{ROOT / 'scripts' / 'bench' / 'envs' / 'slow_guess.py'}:SlowGuessNumber"
 COLUMNS = ["mode", "latency_ms", "step_s", "trajectories_per_s", "engine_idle", "turns_mean", "env_calls_per_step",
            "slowdown_vs_0ms"]
 
 
-def spec(steps: int, age: int, latency_ms: float) -> dict:
-    import yaml
+def warm_start_spec() -> dict:
+    """The example's SFT warm start and one GRPO step (a run must train): its `sft_model/` is the start."""
+    data = load_example("grpo_guess_number.yaml")
+    data["name"] = "bench-multiturn-warm-start"
+    data["grpo"].update({"max_num_steps": 1, "val_period": 0})
+    data["checkpointing"] = {"enabled": False}
+    return data
 
-    data = yaml.safe_load((ROOT / "examples" / "grpo_guess_number.yaml").read_text())
+
+def spec(steps: int, age: int, latency_ms: float, start: Path) -> dict:
+    data = load_example("grpo_guess_number.yaml")
     data["name"] = "bench-multiturn-latency"
     data["sft"] = {"enabled": False}
+    data["policy"]["model_name"] = str(start)
     data["grpo"].update({"max_num_steps": steps, "val_period": 0, "skip_zero_advantage_groups": False,
                          "async_grpo": {"enabled": age > 0, "max_trajectory_age_steps": max(age, 1)}})
     data["env"].update({"name": "slow_guess", "import_path": PLUGIN,
@@ -70,8 +81,10 @@ def main() -> None:
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
+    start = root / "models" / "guess-sft"
     data = yaml.safe_load(default_cluster_file().read_text())
-    data.update({"ray_port": 6785, "grpc_port": 9305, "runs_dir": str(root / "runs")})
+    data.update({"ray_port": 6785, "grpc_port": 9305, "runs_dir": str(root / "runs"),
+                 "model_dirs": [str(root / "models")]})
     data["reward"]["allowed_plugins"] = [PLUGIN]
     data["services"]["rollout"]["args"]["model"] = "preset:tiny-chat"
     data["services"]["reference"]["args"]["model"] = "preset:tiny-chat"
@@ -82,9 +95,11 @@ def main() -> None:
     up(cluster)
     try:
         with CoordinatorClient(cluster.grpc_endpoint) as client:
+            run_id, _ = watch(client, warm_start_spec())
+            shutil.copytree(root / "runs" / run_id / "sft_model", start)
             for mode in args.modes:
                 for latency in args.latencies_ms:
-                    run = client.submit(yaml.safe_dump(spec(args.steps, ages[mode], latency)))
+                    run = client.submit(yaml.safe_dump(spec(args.steps, ages[mode], latency, start)))
                     steps = [dict(ev.metrics) for ev in client.watch(run.run_id) if ev.kind == pb.EVENT_KIND_STEP]
                     final = client.get(run.run_id)
                     if final.state != pb.RUN_STATE_SUCCEEDED:
@@ -103,8 +118,8 @@ def main() -> None:
         r["slowdown_vs_0ms"] = r["step_s"] / base["step_s"]
     print(table(rows, COLUMNS))
     print("wrote", record("multiturn_latency", rows, {
-        "steps": args.steps, "workload": "examples/grpo_guess_number.yaml without SFT: 32 prompts x 8 episodes, "
-                                         "up to 4 turns of 4 tokens, tiny-chat"}))
+        "steps": args.steps, "workload": "examples/grpo_guess_number.yaml from its SFT warm start: 32 prompts x 8 "
+                                         "episodes, up to 4 turns of 4 tokens, tiny-chat"}))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 # BUNDLE: a folder made by `deploy/bundle build`; OUT: where logs and results go.
 # Stages: install (the bundle into python3's environment; with --target /tmp/site if that fails),
 # check, demo (cluster_gpu_one + grpo_addition_gpu), 1b (cluster_gpu_one_1b + grpo_1b_gpu),
-# gputests (pytest tests/gpu). Each stage logs to OUT/<stage>.log.
+# refit (the 1b workload through the weight store, then by the same-GPU handoff: compare_refit.py),
+# bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu).
+# Each stage logs to OUT/<stage>.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bundle=$1 out=$2; shift 2
@@ -48,6 +50,26 @@ for stage in "$@"; do
     check) deploy/bundle check 2>&1 | tee "$out/check.log";;
     demo) run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml demo;;
     1b) run_cluster examples/cluster_gpu_one_1b.yaml examples/grpo_1b_gpu.yaml 1b;;
+    refit)  # the 1b workload for REFIT_STEPS steps twice: weights through the store, then the GPU handoff
+      python3 - "$out" "${REFIT_STEPS:-5}" <<'PY'
+import sys, yaml
+out, steps = sys.argv[1], int(sys.argv[2])
+spec = yaml.safe_load(open("examples/grpo_1b_gpu.yaml"))
+spec["grpo"]["max_num_steps"] = steps
+yaml.safe_dump(spec, open(f"{out}/refit-spec.yaml", "w"))
+for how in ("none", "ipc"):
+    cfg = yaml.safe_load(open("examples/cluster_gpu_one_1b.yaml"))
+    cfg["services"]["rollout"]["args"]["weight_transfer"] = how
+    yaml.safe_dump(cfg, open(f"{out}/refit-{how}.yaml", "w"))
+PY
+      run_cluster "$out/refit-none.yaml" "$out/refit-spec.yaml" refit-store
+      run_cluster "$out/refit-ipc.yaml" "$out/refit-spec.yaml" refit-ipc
+      python3 scripts/gpu/compare_refit.py "$out/refit-store-metrics.jsonl" "$out/refit-ipc-metrics.jsonl" \
+          --out "$out/refit.json" | tee "$out/refit.txt";;
+    bare)  # the learner alone on the 1b step's batch shape (128 rows of ~12 + 512 tokens, packed), same call
+      python3 scripts/bench/learner_rl_gpu.py --preset 1b --seqs 128 --prompt 12 --max-len 524 \
+          --median-completion 2000 --micro-batch 16 --pack-tokens 16384 --runs dtensor:packed --steps 3 \
+          --out "$out/bare.json" > "$out/bare.log" 2>&1; tail -8 "$out/bare.log";;
     gputests) PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} timeout "${GPUTESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
                 tests/gpu ${GPUTESTS_ARGS:-} > "$out/gputests.log" 2>&1; tail -15 "$out/gputests.log";;
     *) echo "unknown stage $stage" >&2; exit 2;;

@@ -226,7 +226,8 @@ class Learner:
             return learner_pb2.ExportWeightsResponse(
                 weight_version=out.version, num_buckets=out.num_buckets, num_tensors=out.num_tensors,
                 num_bytes=out.num_bytes, seconds=out.seconds, direct_bytes=out.direct_bytes,
-                receivers=out.receivers, failed=failed, model_bytes=out.model_bytes)
+                receivers=out.receivers, failed=failed, model_bytes=out.model_bytes,
+                direct_seconds=out.direct_seconds, store_seconds=out.store_seconds)
 
     @grpc_method
     async def SaveCheckpoint(self, request: learner_pb2.SaveCheckpointRequest

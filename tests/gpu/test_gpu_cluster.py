@@ -1,7 +1,8 @@
 """GPU-only: the whole system on one GPU through `deploy/serve up` and `rlserve submit`, as a user runs it
 (examples/cluster_gpu_one.yaml on other ports, a 3-step run of examples/grpo_addition_gpu.yaml without
-its SFT warm start). Checks that the cluster comes up, the run succeeds, and the replicas that asked for
-a GPU fraction hold memory on the GPU while those that did not hold none. Skipped without CUDA, and
+its SFT warm start). Checks that the cluster comes up, the run succeeds, new weights reach the rollout by
+the same-GPU handoff, and the replicas that asked for a GPU fraction hold memory on the GPU while those
+that did not hold none. Skipped without CUDA, and
 without Ray (a GPU machine before the offline bundle is installed: README "Offline install")."""
 
 from __future__ import annotations
@@ -87,3 +88,8 @@ def test_a_three_step_run_trains_on_the_gpu(gpu_cluster, tmp_path):
     assert [e["step"] for e in steps] == [1, 2, 3]
     assert any("on cuda" in e["message"] for e in events), "the learner did not report a CUDA device"
     assert all(e["metrics"]["timing/train_s"] > 0 for e in steps)
+    # The cluster file's rollout takes weights by CUDA IPC (`weight_transfer: ipc`): from the session's
+    # second version on they are handed over on the GPU, and the engine loads nothing from the store.
+    later = steps[1:]
+    assert all(e["metrics"]["weight_sync/direct_mib"] > 0 for e in later), [e["metrics"] for e in later]
+    assert all(e["metrics"]["weight_sync/store_fetch_mib"] == 0 for e in later)

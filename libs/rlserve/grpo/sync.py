@@ -39,6 +39,7 @@ class WeightSync:
         self.run.emit(pb.EVENT_KIND_WEIGHT_SYNC, f"version {exported.weight_version} published "
                       f"({exported.num_tensors} {what} in {exported.num_buckets} buckets) and {how}{failed}",
                       {"weight_sync/seconds": seconds, "weight_sync/export_s": exported.seconds,
+                       "weight_sync/direct_s": exported.direct_seconds, "weight_sync/store_copy_s": exported.store_seconds,
                        "weight_sync/apply_s": applied.apply_seconds, "weight_sync/mib": exported.num_bytes / 2**20,
                        "weight_sync/model_mib": exported.model_bytes / 2**20,
                        "weight_sync/direct_mib": exported.direct_bytes / 2**20,
@@ -48,4 +49,5 @@ class WeightSync:
                 "weight_sync/model_mib": exported.model_bytes / 2**20,
                 "weight_sync/direct_mib": exported.direct_bytes / 2**20,
                 "weight_sync/store_fetch_mib": applied.num_bytes / 2**20,
+                "weight_sync/direct_s": exported.direct_seconds, "weight_sync/store_copy_s": exported.store_seconds,
                 "plumbing/weight_sync_s": seconds - exported.seconds - applied.fetch_seconds - applied.apply_seconds}

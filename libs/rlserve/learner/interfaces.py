@@ -114,10 +114,12 @@ class LearnerBackend(ABC):
         """The step's metrics reduced over all ranks; every rank returns the same dict."""
 
     @abstractmethod
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, dtype: torch.dtype | None = None, on_device: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
         """HF checkpoint-named full tensors (with LoRA: the adapter's, PEFT-named), one at a time. Every
         rank must exhaust the iterator (gathers are collective); only rank 0 gets the tensors, other
-        ranks get empty placeholders."""
+        ranks get empty placeholders. In host memory, or with `on_device` left on the learner's device
+        (a same-GPU handoff, `rlserve.weights.cuda_ipc`); a device tensor may be the live parameter."""
 
     def save_checkpoint(self, path: Path) -> None:
         """Model, optimizer, RNG, lr schedule and version, in the layout of `rlserve.learner.checkpoint`."""

@@ -7,14 +7,19 @@ each tensor goes
 - to every rollout engine through vLLM's weight-transfer API
   (`WeightTransferTrainerFactory.trainer_init` with the engine the replicas
   run: `gloo`, `nccl` or `ipc`; `FleetClient` reaches the replicas through the
-  fleet, `rlserve.weights.fleet`), and
+  fleet, `rlserve.weights.fleet`), or, for engines on the learner's own GPU
+  without vLLM, by rlserve's CUDA IPC handoff (`rlserve.weights.cuda_ipc`), and
 - into the object store, bucket by bucket (`rlserve.weights.buckets`): the one
   copy that replicas starting later catch up from, published in the weight
   store (`rlserve.weights.store`) and then announced to the fleet, so that a
   replica the direct transfer missed loads it at once.
 
 Rank 0 holds at most a bucket of tensors for each of the two at a time, never
-the model. The first version of a session goes through the store only: the
+the model, except after a same-GPU handoff that reached every engine: then the
+store copy is a host-memory snapshot of the model, put into the object store
+by a background thread after the round (off the step's path: it took 2.8 s of a
+3.9 s weight sync for the 1b preset on an H200), before the next version's
+round starts. The first version of a session goes through the store only: the
 transfer needs the tensors' names, dtypes and shapes up front, and the export
 order is learned from that first walk without any extra gather.
 """
@@ -25,7 +30,9 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import ray
@@ -33,7 +40,8 @@ import torch
 
 from rlserve.learner.interfaces import LearnerBackend
 from rlserve.logs import event
-from rlserve.weights.buckets import BucketWriter
+from rlserve.weights import cuda_ipc
+from rlserve.weights.buckets import BucketWriter, to_host
 from rlserve.weights.fleet import Member
 
 log = logging.getLogger("rlserve.learner")
@@ -92,6 +100,13 @@ class FleetClient:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._fan_out("update", self._each({"update_info": update_info}))
 
+    def live_members(self) -> list[str]:
+        return [m.member_id for m in self.members if m.member_id not in self.failed]
+
+    def update_weights_each(self, update_infos: dict[str, dict[str, Any]]) -> None:
+        """`update_weights` with each member's own info (a CUDA IPC handle is one consumer's)."""
+        self._fan_out("update", {member_id: {"update_info": info} for member_id, info in update_infos.items()})
+
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         del weight_version  # the round's version is stamped by each engine
         self._fan_out("finish", self._each(self.round))
@@ -115,9 +130,14 @@ class ExportSource:
         self._walk: Iterator[tuple[str, torch.Tensor]] | None = None
         self._seen: list = []
         self._complete = False
+        self._on_device = False
+        self.store_seconds = 0.0
 
-    def begin(self, dtype: torch.dtype | None, copy: BucketWriter) -> None:
+    def begin(self, dtype: torch.dtype | None, copy: BucketWriter, on_device: bool = False) -> None:
+        """`on_device`: the walk yields device tensors (a same-GPU handoff); the store copy is moved to the
+        host here."""
         self._dtype, self._copy, self._seen, self._complete = dtype, copy, [], False
+        self._on_device, self.store_seconds = on_device, 0.0
         self._walk = self._tensors()
 
     def metadata(self) -> list:
@@ -146,11 +166,15 @@ class ExportSource:
             # either, so the export order is only recorded, as vLLM's (name, dtype, shape) would be.
             ParamMeta = _ParamMeta  # noqa: N806
 
-        for name, tensor in self.backend.export_weights(self._dtype):
+        for name, tensor in self.backend.export_weights(self._dtype, self._on_device):
             self._seen.append(ParamMeta(name, tensor.dtype, tuple(tensor.shape)))
-            self._copy.add(name, tensor)
+            t0 = time.perf_counter()
+            self._copy.add(name, to_host(tensor) if self._on_device else tensor)
+            self.store_seconds += time.perf_counter() - t0
             yield name, tensor
+        t0 = time.perf_counter()
         self._copy.flush()
+        self.store_seconds += time.perf_counter() - t0
         self._complete = True
 
 
@@ -173,6 +197,10 @@ class Published:
     num_bytes: int  # one copy of what was exported (the model, or with LoRA the adapter) in the export dtype
     model_bytes: int  # the whole model in the export dtype: what a full-parameter update sends
     seconds: float
+    direct_seconds: float  # of `seconds`, the direct transfer to the engines (its share of the export walk too)
+    # Of `seconds`, the weight store's copy on the step's path: to host memory and into the object store, or
+    # after a same-GPU handoff to host memory only (the put follows in the background).
+    store_seconds: float
     direct_bytes: int  # bytes sent to engines (all of them together; 0: store only)
     receivers: int  # replicas the version was sent to directly
     # Receivers (or "all") that dropped out of the direct transfer -> why; they catch up from the store.
@@ -191,20 +219,28 @@ class Publisher:
         self._client: FleetClient | None = None
         self._group_key: tuple | None = None
         self._generation = 0
+        # A same-GPU handoff's store copy, put after the round (one at a time, in version order).
+        self._store_copy: Future | None = None
+        self._store_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-store-copy")
 
     def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool) -> Published:
         """Send this version to the engines (`direct`, from the session's second version on), publish
         the store copy and announce it to the fleet."""
+        self._wait_for_store_copy()  # the previous version's: publications stay in order
         t0 = time.perf_counter()
-        refs: list[ray.ObjectRef] = []
-        copy = BucketWriter(self.bucket_bytes, lambda bucket: refs.append(ray.put(bucket)))
-        self.source.begin(dtype, copy)
         version = self.backend.version
-        direct_bytes, receivers, failed = 0, 0, {}
+        direct_bytes, receivers, failed, direct_seconds = 0, 0, {}, 0.0
         # An adapter goes through the store only: vLLM loads adapters from a folder (its weight-transfer
         # API reloads base parameters), and an adapter is small.
         members = (self._receivers() if direct and self.source.known is not None
                    and self.backend.adapter_config is None else [])
+        # A same-GPU handoff keeps the store copy's buckets in host memory (a snapshot: training may change
+        # the weights next) and puts them into the object store after the round, off the step's path.
+        handoff = bool(members) and members[0].transfer_backend == cuda_ipc.BACKEND
+        refs: list[ray.ObjectRef] = []
+        held: list[dict[str, torch.Tensor]] = []
+        copy = BucketWriter(self.bucket_bytes, held.append if handoff else lambda bucket: refs.append(ray.put(bucket)))
+        self.source.begin(dtype, copy, on_device=handoff)
         if members:
             try:
                 engine = self._ensure_group(members)
@@ -221,13 +257,35 @@ class Publisher:
                     self._client.abort()
             if failed:
                 self._group_key = None  # re-form the group next time
+            direct_seconds = time.perf_counter() - t0 - self.source.store_seconds
         self.source.finish()
-        publish_id = ray.get(self.store.publish.remote(run_id, version, refs, copy.num_tensors, copy.num_bytes,
-                                                       in_flight, adapter_config=self.backend.adapter_config))
-        ray.get(self.fleet.announce.remote(publish_id, version))
+        store_copy = partial(self._put_and_announce, run_id, version, refs, held, copy.num_tensors, copy.num_bytes,
+                             in_flight)
+        if handoff and not failed:  # every engine has it: the copy is for replicas that start later
+            self._store_copy = self._store_copier.submit(store_copy)
+        else:
+            store_copy()
         model_bytes = self.backend.info().num_parameters * (dtype or torch.float32).itemsize
-        return Published(version, copy.num_buckets, copy.num_tensors, copy.num_bytes, model_bytes,
-                         time.perf_counter() - t0, direct_bytes, receivers, failed)
+        seconds = time.perf_counter() - t0
+        return Published(version, copy.num_buckets, copy.num_tensors, copy.num_bytes, model_bytes, seconds,
+                         direct_seconds, seconds - direct_seconds, direct_bytes, receivers, failed)
+
+    def _put_and_announce(self, run_id: str, version: int, refs: list[ray.ObjectRef],
+                          held: list[dict[str, torch.Tensor]], num_tensors: int, num_bytes: int, in_flight: bool
+                          ) -> None:
+        t0 = time.perf_counter()
+        refs = refs + [ray.put(bucket) for bucket in held]
+        publish_id = ray.get(self.store.publish.remote(run_id, version, refs, num_tensors, num_bytes, in_flight,
+                                                       adapter_config=self.backend.adapter_config))
+        ray.get(self.fleet.announce.remote(publish_id, version))
+        if held:
+            event(log, "learner.store_copy_published", run=run_id, version=version, mib=num_bytes / 2**20,
+                  seconds=time.perf_counter() - t0)
+
+    def _wait_for_store_copy(self) -> None:
+        if self._store_copy is not None:
+            copy, self._store_copy = self._store_copy, None
+            copy.result()
 
     def _receivers(self) -> list[Member]:
         generation, members = ray.get(self.fleet.members.remote())
@@ -245,19 +303,24 @@ class Publisher:
         if key == self._group_key:
             self._client.failed.clear()
             return self._engine
-        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-        from rlserve.weights import gloo_transfer
-
-        gloo_transfer.register_sender()
         if self._engine is not None:
             self._engine.shutdown()
         self._client = FleetClient(self.fleet, members, self.timeout_s)
+        backend = members[0].transfer_backend
         world_size = 1 + sum(m.num_workers for m in members)
-        info = trainer_init_info(members[0].transfer_backend, world_size, self.bucket_bytes, self.timeout_s)
-        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=self.source)
+        if backend == cuda_ipc.BACKEND:  # rlserve's own handoff: nodes that use it have no vLLM
+            self._engine = cuda_ipc.CudaIpcSender.trainer_init(self._client, self.source, self.bucket_bytes,
+                                                               self.backend.device)
+        else:
+            from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+            from rlserve.weights import gloo_transfer
+
+            gloo_transfer.register_sender()
+            info = trainer_init_info(backend, world_size, self.bucket_bytes, self.timeout_s)
+            self._engine = WeightTransferTrainerFactory.trainer_init(info, client=self._client, source=self.source)
         self._group_key = key
-        event(log, "learner.weight_transfer_group", engine=members[0].transfer_backend, receivers=len(members),
+        event(log, "learner.weight_transfer_group", engine=backend, receivers=len(members),
               world_size=world_size)
         return self._engine
 

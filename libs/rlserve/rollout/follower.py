@@ -68,7 +68,8 @@ class WeightFollower:
         self.transfer_timeout_s = transfer_timeout_s
         self.publish_id = 0
         self.run_id = ""
-        self._direct: dict[str, Any] = {}  # the direct transfer in progress: run, started
+        self._direct: dict[str, Any] = {}  # the direct transfer in progress: run, started, tensors received
+        self._direct_version: int | None = None  # the version the last direct transfer brought
         self._listener: asyncio.Task | None = None
         self._loading = asyncio.Lock()
 
@@ -143,18 +144,25 @@ class WeightFollower:
             await engine.start_weight_update(payload["in_flight"])
             self._direct = {"run_id": payload["run_id"], "started": time.monotonic()}
         elif kind == "update":
-            problems = check_update(self.specs, {n: TensorSpec(tuple(s), getattr(torch, d)) for n, d, s in zip(
-                payload["update_info"]["names"], payload["update_info"]["dtype_names"],
-                payload["update_info"]["shapes"])})
+            info = payload["update_info"]
+            got = {n: TensorSpec(tuple(s), getattr(torch, d)) for n, d, s in zip(
+                info["names"], info["dtype_names"], info["shapes"])}
+            # A bucketed round (`cuda_ipc`) sends its tensors in parts: the whole is checked at finish.
+            problems = check_update(self.specs, got, complete=not info.get("bucket"))
             if problems:
                 await self._abort()
                 raise invalid_argument("weights", "; ".join(problems[:5]))
-            await engine.update_weights(payload["update_info"])
+            self._direct.setdefault("received", {}).update(got)
+            await engine.update_weights(info)
         elif kind == "finish":
             t0 = time.perf_counter()
+            missing = check_update(self.specs, self._direct.get("received", {}))
+            if missing:
+                await self._abort()
+                raise invalid_argument("weights", "; ".join(missing[:5]))
             self._direct = {}
             await engine.finish_weight_update(payload["version"], payload["in_flight"])
-            self.run_id = payload["run_id"]
+            self.run_id, self._direct_version = payload["run_id"], payload["version"]
             event(log, "rollout.weights_applied", replica=self.replica_id, run=self.run_id or None,
                   version=payload["version"], source="direct", apply_s=time.perf_counter() - t0)
         elif kind == "abort":
@@ -211,6 +219,8 @@ class WeightFollower:
 
     async def _update_to(self, version: int, in_flight: bool) -> Applied | None:
         async with self._loading:
+            if self._direct_version == version == self.version:
+                return None  # it came directly; after a same-GPU handoff the store's copy follows later
             pub = await self.store.latest.remote()
             if pub is None or pub.version != version:
                 have = "nothing" if pub is None else f"version {pub.version}"
@@ -273,7 +283,7 @@ class WeightFollower:
         except ValueError as err:
             raise failed_precondition(str(err)) from None
         t2 = time.perf_counter()
-        self.publish_id, self.run_id = pub.publish_id, pub.run_id
+        self.publish_id, self.run_id, self._direct_version = pub.publish_id, pub.run_id, None
         event(log, "rollout.weights_applied", replica=self.replica_id, run=pub.run_id or None,
               version=pub.version, source="store", tensors=len(got), fetch_s=t1 - t0, apply_s=t2 - t1)
         return Applied(pub.version, len(got), pub.num_bytes, t1 - t0, t2 - t1)

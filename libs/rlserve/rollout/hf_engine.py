@@ -17,7 +17,7 @@ from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
 from rlserve.rollout.interfaces import BatchEngine, EngineConfig, EngineInfo, GeneratedSample, SamplingSpec
-from rlserve.weights import adapter
+from rlserve.weights import adapter, cuda_ipc
 
 
 class TransformersEngine(BatchEngine):
@@ -33,6 +33,11 @@ class TransformersEngine(BatchEngine):
             raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if cfg.weight_transfer == "ipc":
+            if self.device.type != "cuda":
+                raise ValueError(f"weight_transfer: ipc hands weights over on one GPU; this engine runs on "
+                                 f"{self.device.type} (use none: the weight store)")
+            self.transfer_backend = cuda_ipc.BACKEND
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)

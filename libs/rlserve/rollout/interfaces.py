@@ -46,8 +46,10 @@ class EngineSettings(BaseModel):
     # Sequences the engine schedules at once (vLLM's max_num_seqs).
     max_num_seqs: int = Field(256, ge=1)
     # vLLM weight-transfer engine the learner sends new weights through: "gloo" (CPU, registered by
-    # rlserve), "nccl" (GPUs on different processes), "ipc" (learner and engine share a GPU); "none"
-    # takes weights only from the weight store.
+    # rlserve), "nccl" (GPUs on different processes), "ipc" (learner and engine share a GPU; for the
+    # transformers engine, rlserve's own same-GPU handoff, `rlserve.weights.cuda_ipc`); "none" takes
+    # weights only from the weight store (the transformers engine's only other choice: it ignores gloo
+    # and nccl).
     weight_transfer: Literal["gloo", "nccl", "ipc", "none"] = "gloo"
     # What an in-flight update does to the requests it lands in: "recompute" their KV cache under
     # the new weights (exact: every token after the switch is the new policy's, at the cost of a
@@ -203,6 +205,10 @@ class BatchEngine(ABC):
     """A synchronous engine: one batch at a time (wrap it in `serialized.Serialized`)."""
 
     name: str
+    # `cuda_ipc` where the learner may hand weights over on the engine's own GPU
+    # (`rlserve.weights.cuda_ipc`, into `device`); None: the weight store only.
+    transfer_backend: str | None = None
+    device: torch.device
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:

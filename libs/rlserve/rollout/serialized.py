@@ -6,6 +6,8 @@ apply to a batch that holds the engine until it is done). A cancelled caller
 keeps the lock until its thread is done (`in_thread_to_the_end`): the engine
 is not re-entrant. This is the
 transformers engine's simple path; vLLM's engine serves concurrently instead.
+A same-GPU handoff from the learner (`rlserve.weights.cuda_ipc`) stages its
+bytes while the engine generates and loads them under the lock.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rlserve.rollout.interfaces import (
     VersionRun,
 )
 from rlserve.threads import in_thread_to_the_end
+from rlserve.weights.cuda_ipc import CudaIpcReceiver
 
 
 class Serialized(RolloutEngine):
@@ -37,6 +40,9 @@ class Serialized(RolloutEngine):
         self._lock = asyncio.Lock()
         self._version = 0
         self._activity = Activity()
+        # A same-GPU handoff stages the bytes while the engine generates; the model changes at finish.
+        self.transfer_backend = engine.transfer_backend
+        self._receiver = CudaIpcReceiver(engine.device) if engine.transfer_backend else None
 
     @property
     def version(self) -> int:
@@ -70,6 +76,30 @@ class Serialized(RolloutEngine):
             finally:
                 shutil.rmtree(folder, ignore_errors=True)  # read whole: the engine keeps its tensors
             self._version = version
+
+    def _handoff(self) -> CudaIpcReceiver:
+        if self._receiver is None:
+            raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only "
+                                      f"(weight_transfer: ipc hands them over on its GPU)")
+        return self._receiver
+
+    async def init_weight_transfer(self, init_info: dict) -> None:
+        self._handoff().init(init_info)
+
+    async def start_weight_update(self, in_flight: bool) -> None:
+        self._handoff().start()
+
+    async def update_weights(self, update_info: dict) -> None:
+        await asyncio.to_thread(self._handoff().receive, update_info)
+
+    async def finish_weight_update(self, version: int, in_flight: bool) -> None:
+        staged = self._handoff().take()
+        async with self._lock:
+            await in_thread_to_the_end(self.engine.load_weights, staged.items())
+            self._version = version
+
+    async def abort_weight_update(self) -> None:
+        self._handoff().abort()
 
     def stats(self) -> EngineStats:
         return self._activity.stats()

@@ -92,7 +92,7 @@ class ExportWeightsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., store_name: _Optional[str] = ..., direct: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
 
 class ExportWeightsResponse(_message.Message):
-    __slots__ = ("weight_version", "num_buckets", "num_tensors", "num_bytes", "seconds", "direct_bytes", "receivers", "failed", "model_bytes")
+    __slots__ = ("weight_version", "num_buckets", "num_tensors", "num_bytes", "seconds", "direct_bytes", "receivers", "failed", "model_bytes", "direct_seconds", "store_seconds")
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class ExportWeightsResponse(_message.Message):
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weight_version: int
     num_buckets: int
     num_tensors: int
@@ -111,7 +113,9 @@ class ExportWeightsResponse(_message.Message):
     receivers: int
     failed: _containers.RepeatedScalarFieldContainer[str]
     model_bytes: int
-    def __init__(self, weight_version: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., direct_bytes: _Optional[int] = ..., receivers: _Optional[int] = ..., failed: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ...) -> None: ...
+    direct_seconds: float
+    store_seconds: float
+    def __init__(self, weight_version: _Optional[int] = ..., num_buckets: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., direct_bytes: _Optional[int] = ..., receivers: _Optional[int] = ..., failed: _Optional[_Iterable[str]] = ..., model_bytes: _Optional[int] = ..., direct_seconds: _Optional[float] = ..., store_seconds: _Optional[float] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("run_id", "path", "hf_path")

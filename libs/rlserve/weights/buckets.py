@@ -33,6 +33,12 @@ def to_host(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return host.copy_(t)
 
 
+def exported(t: torch.Tensor, dtype: torch.dtype | None, on_device: bool) -> torch.Tensor:
+    """An exported tensor as `dtype`: kept on its device for a same-device handoff (`on_device`), else
+    in host memory (`to_host`)."""
+    return t.to(dtype or t.dtype) if on_device else to_host(t, dtype)
+
+
 class BucketWriter:
     """Packs tensors, in the order added, into buckets of at most `max_bytes`; each full bucket
     goes to `emit` (the writer keeps only the bucket it is filling)."""

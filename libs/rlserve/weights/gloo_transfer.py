@@ -39,7 +39,7 @@ import datetime
 import os
 import socket
 from abc import abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
@@ -58,6 +58,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from rlserve.weights.specs import checked
 
 BACKEND = "gloo"
 _TAG = 7
@@ -289,27 +291,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def shutdown(self) -> None:
         self.links, self._store = {}, None
-
-
-def checked(source: Iterable[tuple[str, torch.Tensor]], meta: list[ParamMeta]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The source's tensors, each checked against what the workers were told to expect.
-
-    Workers size their receive buffers from the metadata; a tensor that differs
-    would be received into the wrong buffer, so it is an error naming the first
-    divergence instead.
-    """
-    n = 0
-    for name, tensor in source:
-        if n >= len(meta):
-            raise ValueError(f"the weight source yielded more tensors than its metadata declared ({len(meta)}): {name}")
-        want = meta[n]
-        if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
-            raise ValueError(f"weight source disagrees with its metadata at {n}: declared {want.name} "
-                             f"{want.dtype} {want.shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}")
-        n += 1
-        yield name, tensor
-    if n != len(meta):
-        raise ValueError(f"the weight source yielded {n} tensors, its metadata declared {len(meta)}")
 
 
 def register_sender() -> None:

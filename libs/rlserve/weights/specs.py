@@ -9,8 +9,10 @@ own safetensors checkpoint (the project's interchange layout).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -63,3 +65,25 @@ def check_update(expected: dict[str, TensorSpec], got: dict[str, TensorSpec], co
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             problems.append(f"missing {len(missing)} tensors: {shown}")
     return problems
+
+
+def checked(source: Iterable[tuple[str, torch.Tensor]], meta: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The source's tensors, each checked against what the workers were told to expect (`meta`: vLLM's
+    `ParamMeta`s, or anything with name, dtype and shape).
+
+    Workers size their receive buffers from the metadata; a tensor that differs
+    would be received into the wrong buffer, so it is an error naming the first
+    divergence instead.
+    """
+    n = 0
+    for name, tensor in source:
+        if n >= len(meta):
+            raise ValueError(f"the weight source yielded more tensors than its metadata declared ({len(meta)}): {name}")
+        want = meta[n]
+        if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
+            raise ValueError(f"weight source disagrees with its metadata at {n}: declared {want.name} "
+                             f"{want.dtype} {want.shape}, got {name} {tensor.dtype} {tuple(tensor.shape)}")
+        n += 1
+        yield name, tensor
+    if n != len(meta):
+        raise ValueError(f"the weight source yielded {n} tensors, its metadata declared {len(meta)}")

@@ -159,11 +159,12 @@ class DTensorBackend(LearnerBackend):
         self.optimizer.step()
         return norm
 
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, dtype: torch.dtype | None = None, on_device: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
         if self.adapter_config is not None:
-            return weights.export_adapter(self.model, dtype)
+            return weights.export_adapter(self.model, dtype, on_device)
         return weights.export_weights(self.model, self.model.lm, self.export_names,
-                                      self.model.lm.config.tie_word_embeddings, dtype)
+                                      self.model.lm.config.tie_word_embeddings, dtype, on_device)
 
     def _save_model_and_optimizer(self, path: Path) -> None:
         checkpoint.save(path, self.model, self.optimizer)

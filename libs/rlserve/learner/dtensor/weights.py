@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from rlserve.models.checkpoint_layout import to_checkpoint
 from rlserve.weights import adapter
-from rlserve.weights.buckets import to_host
+from rlserve.weights.buckets import exported
 
 
 def hf_name(name: str) -> str:
@@ -30,7 +30,7 @@ def hf_name(name: str) -> str:
 
 
 def export_weights(model: nn.Module, lm: nn.Module, export_names: set[str], tied: bool,
-                   dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+                   dtype: torch.dtype | None, on_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     rank0 = dist.get_rank() == 0
     for name, param in model.named_parameters():
         name = hf_name(name)
@@ -42,17 +42,18 @@ def export_weights(model: nn.Module, lm: nn.Module, export_names: set[str], tied
         if unknown:
             raise ValueError(f"{name}: exports as {unknown[:4]}, not in the model's checkpoint layout")
         for part, tensor in parts.items():
-            yield part, to_host(tensor, dtype) if rank0 else torch.empty(0)
+            yield part, exported(tensor, dtype, on_device) if rank0 else torch.empty(0)
 
 
-def export_adapter(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_adapter(model: nn.Module, dtype: torch.dtype | None, on_device: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA run's adapter tensors, PEFT-named (the base never changes, so it never travels)."""
     rank0 = dist.get_rank() == 0
     for name, param in model.named_parameters():
         if not adapter.is_adapter_param(name):
             continue
         full = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
-        yield adapter.peft_name(hf_name(name)), to_host(full, dtype) if rank0 else torch.empty(0)
+        yield adapter.peft_name(hf_name(name)), exported(full, dtype, on_device) if rank0 else torch.empty(0)
 
 
 def load_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

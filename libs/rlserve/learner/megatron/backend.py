@@ -348,8 +348,9 @@ class MegatronBackend(LearnerBackend):
 
     # --- weights and checkpoints -------------------------------------------------
 
-    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.exporter.stream(dtype)
+    def export_weights(self, dtype: torch.dtype | None = None, on_device: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.exporter.stream(dtype, on_device)
 
     def _save_model_and_optimizer(self, path: Path) -> None:
         checkpoint.save(path, self.gpt, self.optimizer, trainable_only=self.adapter_config is not None)

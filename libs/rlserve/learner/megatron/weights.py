@@ -45,7 +45,7 @@ from rlserve.learner.megatron.hf_map import (
 )
 from rlserve.learner.megatron.lora import LoraLinear, is_column
 from rlserve.weights import adapter
-from rlserve.weights.buckets import to_host
+from rlserve.weights.buckets import exported
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -201,7 +201,7 @@ class Exporter:
                                     ep_rank=ep_rank, use_te=self.use_te, moe_grouped_gemm=self.moe_grouped_gemm)
 
     @torch.no_grad()
-    def stream(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(self, dtype: torch.dtype | None, on_device: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # Every stage holds the model's one dtype; rank 0 receives other stages' shards in it.
         model_dtype = next(iter(self.params.values())).dtype
         for entry in self.plan:
@@ -218,7 +218,7 @@ class Exporter:
             for e in range(experts):
                 group = shards[e * entry.shards:(e + 1) * entry.shards]
                 for name, tensor in self._convert(entry, group, e if entry.expert else 0):
-                    yield name, to_host(tensor, dtype)
+                    yield name, exported(tensor, dtype, on_device)
 
 
 def _peft_name(hf_weight: str, part: str) -> str:
