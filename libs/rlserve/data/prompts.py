@@ -70,9 +70,18 @@ class PromptTokenizer:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": ex.prompt}]
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> list[int]:
+        text = self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                            tokenize=False)
         return self.tok.encode(text, add_special_tokens=False)
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a `tools=` list (Qwen's, Llama 3.1's, Hermes' do); one that
+        does not would drop the tools silently."""
+        template = self.tok.chat_template
+        sources = template.values() if isinstance(template, dict) else [template or ""]
+        return any("tools" in source for source in sources)
 
     def prompt_ids(self, ex: Example) -> list[int]:
         if self.prompt_format == "chat":
@@ -83,11 +92,16 @@ class PromptTokenizer:
 
     # --- multi-turn episodes -------------------------------------------------------------------
 
-    def episode_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """An episode's first messages as the policy's prompt: the chat template with the generation
-        prompt, or (raw format) the messages' contents as plain text with the tokenizer's BOS."""
+    def episode_prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
+        """An episode's first messages (and the tools the environment declares) as the policy's prompt: the
+        chat template with the generation prompt, or (raw format) the messages' contents as plain text with
+        the tokenizer's BOS."""
+        if tools and (self.prompt_format != "chat" or not self.renders_tools()):
+            raise ValueError("the environment declares tools for the chat template, but "
+                             + ("data.prompt_format is raw" if self.prompt_format != "chat"
+                                else "the model's chat template renders no tools"))
         if self.prompt_format == "chat":
-            return self._render(messages, add_generation_prompt=True)
+            return self._render(messages, add_generation_prompt=True, tools=tools)
         return self.tok.encode("".join(m["content"] for m in messages), add_special_tokens=True)
 
     def observation_ids(self, messages: list[dict[str, str]], last_id: int) -> list[int]:

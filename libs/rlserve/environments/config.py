@@ -14,7 +14,8 @@ from rlserve.v1 import environment_pb2
 BUILTIN_NAMES = ("single_turn", "guess_number", "tool_use")
 # Built-ins that score with reward functions (`args.functions`, else the run's or the service's), and
 # the other args each takes.
-SCORED = {"single_turn": frozenset(), "tool_use": frozenset({"tools", "max_output_chars", "python_wall_s", "tool_format"})}
+SCORED = {"single_turn": frozenset(), "tool_use": frozenset({"tools", "max_output_chars", "python_wall_s", "tool_format",
+                                                          "declare_tools"})}
 MAX_NAME_CHARS = 64
 MAX_IMPORT_PATH_CHARS = 4096
 

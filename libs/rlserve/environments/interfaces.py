@@ -46,6 +46,9 @@ class Episode:
 class ResetOutput:
     messages: list[Message]
     state: Any = None
+    # Function schemas (`{"type": "function", "function": {...}}`) the policy's chat template renders
+    # as its `tools=`; None: the messages declare whatever tools there are.
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

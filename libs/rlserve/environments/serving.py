@@ -31,6 +31,8 @@ MAX_MESSAGES = 64
 MAX_MESSAGES_CHARS = 256 * 1024  # all contents of one response's messages together
 MAX_ROLE_CHARS = 32
 MAX_STATE_CHARS = 1024 * 1024
+MAX_TOOLS = 64
+MAX_TOOLS_CHARS = 64 * 1024  # the tools' schemas as JSON
 MAX_METRICS = 64
 MAX_METRIC_NAME_CHARS = 64
 MAX_REWARD = 1e6
@@ -106,6 +108,21 @@ def _metrics(value: Any) -> dict[str, float]:
     return out
 
 
+def tools_json(tools: Any) -> str:
+    """Reset's tools as the response's JSON ("" for none), or ContractError naming what is wrong."""
+    if tools is None:
+        return ""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise ContractError(f"tools: a list of at most {MAX_TOOLS} {{'type': 'function', 'function': {{'name': ...}}}} "
+                            f"schemas, got {str(tools)[:120]}")
+    text = json.dumps(tools)
+    if len(text) > MAX_TOOLS_CHARS:
+        raise ContractError(f"tools: {len(text)} characters of JSON, at most {MAX_TOOLS_CHARS}")
+    return text
+
+
 def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"[:300]
 
@@ -120,12 +137,13 @@ def reset(env: Environment, version: str, request: pb.ResetRequest) -> pb.ResetR
         if not messages:
             raise ContractError("messages: reset must return at least one message")
         state = _state_json(out.state)
+        tools = tools_json(out.tools)
     except Exception as err:  # noqa: BLE001 - the environment's fault is this episode's status
         event(log, "environment.reset_error", logging.WARNING, run=request.run_id or None, episode=episode.id,
               error=_error(err))
         return pb.ResetResponse(status=pb.ENVIRONMENT_STATUS_ERROR, error=_error(err), environment_version=version)
     return pb.ResetResponse(status=pb.ENVIRONMENT_STATUS_OK, messages=messages_to_proto(messages), state_json=state,
-                            environment_version=version)
+                            environment_version=version, tools_json=tools)
 
 
 def step(env: Environment, version: str, request: pb.StepRequest) -> pb.StepResponse:

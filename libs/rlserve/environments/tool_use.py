@@ -1,7 +1,10 @@
 """`tool_use`: the policy may call tools before it answers; its first message without a tool call is
 its answer, scored by reward functions (the run's `args.functions`, or the service's default).
 
-The tools are declared to the policy in a system message, in the form the
+The tools are declared to the policy by its own chat template (`declare_tools:
+template`: Reset returns their schemas and the template renders them, as
+transformers' `tools=`; the preflight refuses a template that renders no tools),
+or (`declare_tools: system`, the default) in a system message, in the form the
 model family's chat templates render a `tools=` list into, so a template
 without tool support works too: `tool_format: hermes` (Hermes / Qwen, the
 default: a `<tools>` block of JSON schemas and the `<tool_call>` format, each
@@ -54,13 +57,16 @@ class ToolUse(Environment):
     name = "tool_use"
 
     def __init__(self, reward: CombinedReward, tools: list[str] | None = None, max_output_chars: int = 2000,
-                 python_wall_s: float = 10.0, tool_format: str = "hermes"):
+                 python_wall_s: float = 10.0, tool_format: str = "hermes", declare_tools: str = "system"):
         tools = ["calculator"] if tools is None else tools
         if not isinstance(tools, list) or not tools or any(t not in SCHEMAS for t in tools):
             raise ValueError(f"tools: a non-empty list of {sorted(SCHEMAS)}, got {tools!r}")
         if tool_format not in FORMATS:
             raise ValueError(f"tool_format: one of {', '.join(FORMATS)}, got {tool_format!r}")
         self.format = tool_format
+        if declare_tools not in ("system", "template"):
+            raise ValueError(f"declare_tools: system or template, got {declare_tools!r}")
+        self.declare_tools = declare_tools
         if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int) \
                 or not 16 <= max_output_chars <= 65_536:
             raise ValueError(f"max_output_chars: an integer in 16..65536, got {max_output_chars!r}")
@@ -74,6 +80,9 @@ class ToolUse(Environment):
 
     def reset(self, episode: Episode) -> ResetOutput:
         messages = list(episode.messages)
+        if self.declare_tools == "template":  # the policy's chat template renders them (its `tools=`)
+            return ResetOutput(messages, {"calls": 0}, [{"type": "function", "function": SCHEMAS[t]}
+                                                        for t in self.tools])
         prompt = _system_prompt(self.tools, self.format)
         if messages and messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}

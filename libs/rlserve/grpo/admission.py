@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
 from rlserve.environments.config import SCORED
 from rlserve.environments.loader import single_turn_functions
+from rlserve.environments.serving import messages_from_proto
 from rlserve.grpo.episodes import episode_proto
 from rlserve.grpo.retry import RetryPolicy
 from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
@@ -248,6 +250,13 @@ class GrpoAdmission(Admission):
                                       f"({spec.env.timeout_s:g}s)") from None
         if resp.status != environment_pb2.ENVIRONMENT_STATUS_OK:
             raise failed_precondition(f"env: the environment cannot start an episode: {resp.error}")
+        if resp.tools_json:
+            try:
+                await asyncio.to_thread(tok.episode_prompt_ids, messages_from_proto(resp.messages),
+                                        json.loads(resp.tools_json))
+            except (ValueError, TemplateError) as err:
+                raise invalid_argument("policy.model_name", f"{err} (tool_use: declare_tools: system declares "
+                                                            f"them in a system message instead)") from None
 
     @staticmethod
     async def _check_prompt_lengths(spec: RunSpec, model: Path) -> tuple[PromptTokenizer, Example]:

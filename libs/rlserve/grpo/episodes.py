@@ -38,10 +38,12 @@ from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
 from rlserve.environments.serving import (
     MAX_STATE_CHARS,
+    MAX_TOOLS_CHARS,
     ContractError,
     checked_messages,
     messages_from_proto,
     messages_to_proto,
+    tools_json,
 )
 from rlserve.grpo.groups import Group, per_sample_means
 from rlserve.grpo.rollouts import BatchTimings, add_reference_logprobs, record_generate, sampling_params
@@ -109,6 +111,20 @@ def _status(resp, call: str) -> None:
                                          f"state, at most {MAX_STATE_CHARS}")
 
 
+def _tools(resp) -> list[dict] | None:
+    """Reset's tools for the chat template (checked as the environment service checks its own)."""
+    if not resp.tools_json:
+        return None
+    try:
+        if len(resp.tools_json) > MAX_TOOLS_CHARS:
+            raise ContractError(f"tools: {len(resp.tools_json)} characters of JSON, at most {MAX_TOOLS_CHARS}")
+        tools = json.loads(resp.tools_json)
+        tools_json(tools)
+    except (ContractError, ValueError) as err:
+        raise EpisodeFailed("env_error", f"the environment's Reset tools: {err}") from None
+    return tools
+
+
 class EpisodeRunner:
     """Plays episodes for one generation request (a step, a streaming request, or validation)."""
 
@@ -131,8 +147,9 @@ class EpisodeRunner:
         finally:
             self.timings.env_s += time.perf_counter() - t0
 
-    async def reset(self, ex: Example, episode_id: str) -> tuple[environment_pb2.Episode, list[Message], str]:
-        """The group's start: the environment's first messages and state."""
+    async def reset(self, ex: Example, episode_id: str
+                    ) -> tuple[environment_pb2.Episode, list[Message], str, list[dict] | None]:
+        """The group's start: the environment's first messages, state and the tools it declares."""
         episode = episode_proto(self.tok, ex, episode_id)
         resp = await self._env_call("Reset", self.services.env_reset(environment_pb2.ResetRequest(
             environment=self.environment, episode=episode, run_id=self.inputs.run_id)))
@@ -141,11 +158,11 @@ class EpisodeRunner:
         messages = _checked(resp.messages, "Reset messages")
         if not messages:
             raise EpisodeFailed("env_error", "the environment's Reset returned no message")
-        return episode, messages, resp.state_json
+        return episode, messages, resp.state_json, _tools(resp)
 
-    def prompt_ids(self, messages: list[Message]) -> list[int]:
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         try:
-            ids = self.tok.episode_prompt_ids(messages)
+            ids = self.tok.episode_prompt_ids(messages, tools)
         except (TemplateError, ValueError) as err:
             raise EpisodeFailed("env_error", f"the chat template cannot render the first messages: {err}") from None
         if len(ids) >= self.spec.policy.max_total_sequence_length:
@@ -236,8 +253,8 @@ def _versions(trajs: list[Trajectory], default: int) -> tuple[int, int, int]:
 async def _group(runner: EpisodeRunner, ex: Example, index: int, episode_id: str, n: int, seed_base: int,
                  offset: int) -> tuple[list[int], list[Trajectory]]:
     try:
-        episode, messages, state = await runner.reset(ex, episode_id)
-        prompt = runner.prompt_ids(messages)
+        episode, messages, state, tools = await runner.reset(ex, episode_id)
+        prompt = runner.prompt_ids(messages, tools)
     except EpisodeFailed as err:
         return [], [Trajectory(failure=(err.reason, err.message)) for _ in range(n)]
     trajs = await asyncio.gather(*(runner.play(episode, prompt, messages, state,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlserve/v1/environment.proto\x12\nrlserve.v1\"G\n\x0f\x45nvironmentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bimport_path\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x01\n\x07\x45pisode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x18\n\x10reference_answer\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\x15\n\renv_args_json\x18\x06 \x01(\t\"v\n\x0cResetRequest\x12\x30\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1b.rlserve.v1.EnvironmentSpec\x12$\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x13.rlserve.v1.Episode\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\xa9\x01\n\rResetResponse\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.rlserve.v1.EnvironmentStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x1b\n\x13\x65nvironment_version\x18\x05 \x01(\t\"\xf2\x01\n\x0bStepRequest\x12\x30\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1b.rlserve.v1.EnvironmentSpec\x12$\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x13.rlserve.v1.Episode\x12-\n\x0c\x63onversation\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12*\n\tassistant\x18\x04 \x01(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x12\n\nstate_json\x18\x05 \x01(\t\x12\x0c\n\x04turn\x18\x06 \x01(\x05\x12\x0e\n\x06run_id\x18\x07 \x01(\t\"\xca\x02\n\x0cStepResponse\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.rlserve.v1.EnvironmentStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x0bobservation\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.rlserve.v1.StepResponse.MetricsEntry\x12\x12\n\nstate_json\x18\x07 \x01(\t\x12\x1b\n\x13\x65nvironment_version\x18\x08 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\t \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*p\n\x11\x45nvironmentStatus\x12\"\n\x1e\x45NVIRONMENT_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NVIRONMENT_STATUS_OK\x10\x01\x12\x1c\n\x18\x45NVIRONMENT_STATUS_ERROR\x10\x02\x32\x86\x01\n\x0b\x45nvironment\x12<\n\x05Reset\x12\x18.rlserve.v1.ResetRequest\x1a\x19.rlserve.v1.ResetResponse\x12\x39\n\x04Step\x12\x17.rlserve.v1.StepRequest\x1a\x18.rlserve.v1.StepResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlserve/v1/environment.proto\x12\nrlserve.v1\"G\n\x0f\x45nvironmentSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bimport_path\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x01\n\x07\x45pisode\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x18\n\x10reference_answer\x18\x04 \x01(\t\x12\x15\n\rmetadata_json\x18\x05 \x01(\t\x12\x15\n\renv_args_json\x18\x06 \x01(\t\"v\n\x0cResetRequest\x12\x30\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1b.rlserve.v1.EnvironmentSpec\x12$\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x13.rlserve.v1.Episode\x12\x0e\n\x06run_id\x18\x03 \x01(\t\"\xbd\x01\n\rResetResponse\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.rlserve.v1.EnvironmentStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x1b\n\x13\x65nvironment_version\x18\x05 \x01(\t\x12\x12\n\ntools_json\x18\x06 \x01(\t\"\xf2\x01\n\x0bStepRequest\x12\x30\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1b.rlserve.v1.EnvironmentSpec\x12$\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x13.rlserve.v1.Episode\x12-\n\x0c\x63onversation\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12*\n\tassistant\x18\x04 \x01(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x12\n\nstate_json\x18\x05 \x01(\t\x12\x0c\n\x04turn\x18\x06 \x01(\x05\x12\x0e\n\x06run_id\x18\x07 \x01(\t\"\xca\x02\n\x0cStepResponse\x12-\n\x06status\x18\x01 \x01(\x0e\x32\x1d.rlserve.v1.EnvironmentStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12,\n\x0bobservation\x18\x03 \x03(\x0b\x32\x17.rlserve.v1.ChatMessage\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.rlserve.v1.StepResponse.MetricsEntry\x12\x12\n\nstate_json\x18\x07 \x01(\t\x12\x1b\n\x13\x65nvironment_version\x18\x08 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\t \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*p\n\x11\x45nvironmentStatus\x12\"\n\x1e\x45NVIRONMENT_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NVIRONMENT_STATUS_OK\x10\x01\x12\x1c\n\x18\x45NVIRONMENT_STATUS_ERROR\x10\x02\x32\x86\x01\n\x0b\x45nvironment\x12<\n\x05Reset\x12\x18.rlserve.v1.ResetRequest\x1a\x19.rlserve.v1.ResetResponse\x12\x39\n\x04Step\x12\x17.rlserve.v1.StepRequest\x1a\x18.rlserve.v1.StepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_STEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_ENVIRONMENTSTATUS']._serialized_start=1188
-  _globals['_ENVIRONMENTSTATUS']._serialized_end=1300
+  _globals['_ENVIRONMENTSTATUS']._serialized_start=1208
+  _globals['_ENVIRONMENTSTATUS']._serialized_end=1320
   _globals['_ENVIRONMENTSPEC']._serialized_start=44
   _globals['_ENVIRONMENTSPEC']._serialized_end=115
   _globals['_CHATMESSAGE']._serialized_start=117
@@ -44,13 +44,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETREQUEST']._serialized_start=318
   _globals['_RESETREQUEST']._serialized_end=436
   _globals['_RESETRESPONSE']._serialized_start=439
-  _globals['_RESETRESPONSE']._serialized_end=608
-  _globals['_STEPREQUEST']._serialized_start=611
-  _globals['_STEPREQUEST']._serialized_end=853
-  _globals['_STEPRESPONSE']._serialized_start=856
-  _globals['_STEPRESPONSE']._serialized_end=1186
-  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_start=1140
-  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_end=1186
-  _globals['_ENVIRONMENT']._serialized_start=1303
-  _globals['_ENVIRONMENT']._serialized_end=1437
+  _globals['_RESETRESPONSE']._serialized_end=628
+  _globals['_STEPREQUEST']._serialized_start=631
+  _globals['_STEPREQUEST']._serialized_end=873
+  _globals['_STEPRESPONSE']._serialized_start=876
+  _globals['_STEPRESPONSE']._serialized_end=1206
+  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_start=1160
+  _globals['_STEPRESPONSE_METRICSENTRY']._serialized_end=1206
+  _globals['_ENVIRONMENT']._serialized_start=1323
+  _globals['_ENVIRONMENT']._serialized_end=1457
 # @@protoc_insertion_point(module_scope)

@@ -61,18 +61,20 @@ class ResetRequest(_message.Message):
     def __init__(self, environment: _Optional[_Union[EnvironmentSpec, _Mapping]] = ..., episode: _Optional[_Union[Episode, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ResetResponse(_message.Message):
-    __slots__ = ("status", "error", "messages", "state_json", "environment_version")
+    __slots__ = ("status", "error", "messages", "state_json", "environment_version", "tools_json")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     STATE_JSON_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     status: EnvironmentStatus
     error: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     state_json: str
     environment_version: str
-    def __init__(self, status: _Optional[_Union[EnvironmentStatus, str]] = ..., error: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., state_json: _Optional[str] = ..., environment_version: _Optional[str] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, status: _Optional[_Union[EnvironmentStatus, str]] = ..., error: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., state_json: _Optional[str] = ..., environment_version: _Optional[str] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("environment", "episode", "conversation", "assistant", "state_json", "turn", "run_id")

@@ -108,3 +108,29 @@ def test_sft_tokens_train_every_assistant_turn_and_nothing_else(chat_model):
     raw = PromptTokenizer(chat_model, "raw", None)
     ids, mask = raw.sft_tokens(Example("1+1=", "2"))
     assert sum(mask) == len(ids) - len(raw.prompt_ids(Example("1+1=", "2"))) and mask[-1]
+
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+def test_tools_an_environment_declares_are_rendered_by_a_template_that_takes_tools(chat_model, tmp_path):
+    """A template that renders `tools=` (as Qwen's and Llama 3.1's do) gets them, exactly as transformers'
+    apply_chat_template renders them; one that does not is refused rather than silently dropping them."""
+    tok = PromptTokenizer(chat_model, "chat", None)
+    messages = [{"role": "user", "content": "What is 1234*5678?"}]
+    with pytest.raises(ValueError, match="renders no tools"):
+        tok.episode_prompt_ids(messages, TOOLS)
+    assert tok.episode_prompt_ids(messages) == tok.episode_prompt_ids(messages, None)
+
+    hf = AutoTokenizer.from_pretrained(chat_model)
+    hf.chat_template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+                        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text((chat_model / "config.json").read_text())
+    tools_tok = PromptTokenizer(tmp_path, "chat", None)
+    ids = tools_tok.episode_prompt_ids(messages, TOOLS)
+    want = hf.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"calculator"' in want and ids == hf.encode(want, add_special_tokens=False)
+    with pytest.raises(ValueError, match="raw"):
+        PromptTokenizer(chat_model, "raw", None).episode_prompt_ids(messages, TOOLS)

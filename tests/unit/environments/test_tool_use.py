@@ -3,6 +3,8 @@ without `eval`, and the `tool_use` environment answering calls turn by turn unti
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlserve.environments.config import EnvironmentCfg
@@ -115,3 +117,29 @@ def test_the_python_tool_runs_in_the_sandbox():
     call = '<tool_call>{"name": "python", "arguments": {"code": "import os\\nprint(os.listdir(\\"/\\"))\\nprint(\\"x\\" * 500)"}}</tool_call>'
     body = env.step(StepInput(EPISODE, [], call, None, 1)).observation[0]["content"]
     assert "'work'" in body and "[output cut]" in body and "home" not in body
+
+
+def test_declared_to_the_template_the_tools_come_back_as_schemas_and_no_system_message():
+    env = environment(declare_tools="template", tools=["calculator", "python"])
+    start = env.reset(EPISODE)
+    assert all(m["role"] != "system" for m in start.messages)
+    assert [t["function"]["name"] for t in start.tools] == ["calculator", "python"]
+    assert all(t["type"] == "function" and "parameters" in t["function"] for t in start.tools)
+    with pytest.raises(ValueError, match="declare_tools"):
+        environment(declare_tools="prompt")
+
+
+@pytest.mark.parametrize("tools, words", [
+    ([{"type": "function", "function": {"name": "calculator"}}], None),
+    (None, None),
+    ([{"name": "calculator"}], "schemas"),
+    ([{"type": "function", "function": {"name": "x", "description": "y" * 70_000}}], "at most"),
+])
+def test_reset_tools_are_checked_before_they_leave_the_environment_service(tools, words):
+    from rlserve.environments.serving import ContractError, tools_json
+
+    if words is None:
+        assert tools_json(tools) == ("" if tools is None else json.dumps(tools))
+    else:
+        with pytest.raises(ContractError, match=words):
+            tools_json(tools)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 import time
 
@@ -359,3 +360,20 @@ def test_weight_versions_are_recorded_per_turn(make_run):
     (g,) = groups
     assert g.weight_version == 0 and g.mixed_samples == 2 and g.version_spread == 1
     assert [lp for lp, m in zip(g.gen_logprobs[0], g.loss_masks[0]) if m] == [-0.5] * 9
+
+
+@pytest.mark.parametrize("tools_json, words", [
+    ("", None), ('[{"type": "function", "function": {"name": "calculator"}}]', None),
+    ("not json", "Reset tools"), ('{"type": "function"}', "schemas"), ("[" + " " * 70_000 + "]", "at most")])
+def test_reset_tools_from_an_environment_server_are_checked(tools_json, words):
+    """An external environment server's tools are untrusted: a bad list drops the episode with env_error."""
+    from rlserve.grpo.episodes import EpisodeFailed, _tools
+    from rlserve.v1 import environment_pb2
+
+    resp = environment_pb2.ResetResponse(tools_json=tools_json)
+    if words is None:
+        assert _tools(resp) == (json.loads(tools_json) if tools_json else None)
+    else:
+        with pytest.raises(EpisodeFailed, match=words) as err:
+            _tools(resp)
+        assert err.value.reason == "env_error"
