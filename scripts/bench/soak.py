@@ -188,9 +188,14 @@ def main() -> None:
     parser.add_argument("--phase-s", type=float, default=120)
     parser.add_argument("--callers-per-user", type=int, default=20)
     parser.add_argument("--chaos-s", type=float, default=0)
-    parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the training run")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="GRPO steps of the training run; by default enough to outlast the phases and the chaos "
+                             "at ~1 s a step (the demo's steps take 1.2 s here; the first chaos soak's run of 650 "
+                             "steps ended 8 minutes into 30)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = int(3 * args.phase_s + args.chaos_s) + 100
     random.seed(args.seed)
 
     from rlserve.cluster.lifecycle import down, up
