@@ -18,7 +18,7 @@ balanced ledger, no run may be left unfinished, and the cluster's resident memor
 before and after.
 Prints a table and writes bench-results/soak.json.
 
-    .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps 400]
+    .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps N]
 """
 
 from __future__ import annotations
