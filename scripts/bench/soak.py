@@ -157,11 +157,23 @@ def step_times(runs_dir: Path, run_id: str, since: float, until: float) -> list[
             if r["kind"] == "step" and since <= r["time"] <= until and "timing/step_s" in r["metrics"]]
 
 
-def cluster_rss() -> int:
+def cluster_processes() -> tuple[int, int, int]:
+    """(processes, resident bytes, zombies) of the cluster's processes. A process the chaos killed may be
+    a zombie until its parent reaps it, or gone by the time it is read: counted, never an error (the
+    first chaos soak lost its results to one)."""
     import psutil
 
-    return sum(p.memory_info().rss for p in psutil.process_iter() if "ray" in " ".join(p.cmdline() or [])[:200]
-               or "VLLM" in (p.name() or ""))
+    count = rss = zombies = 0
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                zombies += 1
+                continue
+            if "ray" in " ".join(p.cmdline() or [])[:200] or "VLLM" in (p.name() or ""):
+                count, rss = count + 1, rss + p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return count, rss, zombies
 
 
 def chaos(seconds: float, rng: random.Random) -> list[str]:
@@ -228,7 +240,7 @@ def main() -> None:
             while client.get(run.run_id).step < 1:  # past SFT and the first GRPO step
                 time.sleep(2)
         rows = []
-        rss_before = cluster_rss()
+        procs_before, rss_before, _ = cluster_processes()
         abuser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         for phase in ("quiet", "load", "abuse"):
             callers = Callers(cluster.grpc_endpoint, users, 0 if phase == "quiet" else args.callers)
@@ -279,7 +291,9 @@ def main() -> None:
                     pb.RUN_STATE_CANCELLED, pb.RUN_STATE_FAILED, pb.RUN_STATE_SUCCEEDED)]
             meta.update({"chaos_s": args.chaos_s, "killed": killed, "final_state": pb.RunState.Name(final.state),
                          "ledger_in_flight": final.ledger.in_flight, "stuck_runs": stuck,
-                         "rss_before_mb": rss_before / 2**20, "rss_after_mb": cluster_rss() / 2**20})
+                         "processes_before": procs_before, "rss_before_mb": rss_before / 2**20})
+            procs_after, rss_after, zombies = cluster_processes()
+            meta.update({"processes_after": procs_after, "rss_after_mb": rss_after / 2**20, "zombies_after": zombies})
     finally:
         down(cluster)
     print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "steps", "step_s", "step_vs_quiet",
