@@ -262,7 +262,7 @@ class Publisher:
         store_copy = partial(self._put_and_announce, run_id, version, refs, held, copy.num_tensors, copy.num_bytes,
                              in_flight)
         if handoff and not failed:  # every engine has it: the copy is for replicas that start later
-            self._store_copy = self._store_copier.submit(store_copy)
+            self._put_in_background(store_copy, run_id, version)
         else:
             store_copy()
         model_bytes = self.backend.info().num_parameters * (dtype or torch.float32).itemsize
@@ -283,9 +283,22 @@ class Publisher:
                   seconds=time.perf_counter() - t0)
 
     def _wait_for_store_copy(self) -> None:
+        """A background put that failed fails the next publication (its replicas could not catch up); the
+        operator sees it when it happens."""
         if self._store_copy is not None:
             copy, self._store_copy = self._store_copy, None
             copy.result()
+
+    def _put_in_background(self, store_copy: partial, run_id: str, version: int) -> None:
+        def put() -> None:
+            try:
+                store_copy()
+            except Exception as err:
+                event(log, "learner.store_copy_failed", logging.ERROR, run=run_id, version=version,
+                      error=f"{type(err).__name__}: {err}"[:300])
+                raise
+
+        self._store_copy = self._store_copier.submit(put)
 
     def _receivers(self) -> list[Member]:
         generation, members = ray.get(self.fleet.members.remote())
