@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from rlserve.cluster.config import MAX_CONCURRENT_RUNS
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.grpo.admission import GrpoAdmission
@@ -58,6 +59,8 @@ class CoordinatorArgs(BaseModel):
     max_data_file_mb: int = Field(512, ge=1)
     # Runs waiting to start; a SubmitRun beyond it gets RESOURCE_EXHAUSTED.
     max_queued_runs: int = Field(64, ge=1, le=100_000)
+    # LoRA runs on the deployed base that train at once (the cluster file's max_concurrent_runs).
+    max_concurrent_runs: int = Field(1, ge=1, le=MAX_CONCURRENT_RUNS)
     # A WatchRun stream ends after this long (clients continue from the next event); none is held for good.
     watch_max_s: float = Field(600.0, gt=0)
     # Per-user quotas (the cluster file's `quotas` when it was deployed), and the cluster file, whose
@@ -80,7 +83,7 @@ class Coordinator:
         quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
                                   self.args.preflight_timeout_s, self.args.resume_on_restart,
-                                  self.args.max_queued_runs, quotas)
+                                  self.args.max_queued_runs, quotas, self.args.max_concurrent_runs)
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
                   ) -> RunServices:

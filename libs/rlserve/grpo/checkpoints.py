@@ -127,7 +127,8 @@ class Checkpoints:
         since = since or time.monotonic()
         state = json.loads((folder / "coordinator.json").read_text())
         await self.services.configure(learner_pb2.ConfigureRequest(
-            run_id=run.run_id, spec_yaml=self.inputs.spec_yaml(), init_model_path=state["init_model"]))
+            run_id=run.run_id, spec_yaml=self.inputs.spec_yaml(), init_model_path=state["init_model"],
+            shared_base=self.inputs.spec.shares_deployed_base))
         loaded = await self.services.load_checkpoint(learner_pb2.LoadCheckpointRequest(
             run_id=run.run_id, path=str(folder / "learner")))
         queued = _queued_steps(state["buffer"])

@@ -125,7 +125,8 @@ class GrpoAttempt(Attempt):
                 self.trainer_state.init_model = await sft_warm_start(inputs, run, self.services, self.sync,
                                                                      self.progress)
             info = await self.services.configure(learner_pb2.ConfigureRequest(
-                run_id=run.run_id, spec_yaml=inputs.spec_yaml(), init_model_path=str(self.trainer_state.init_model)))
+                run_id=run.run_id, spec_yaml=inputs.spec_yaml(), init_model_path=str(self.trainer_state.init_model),
+                shared_base=spec.shares_deployed_base))
             run.emit(pb.EVENT_KIND_INFO, f"learner ready: {info.backend} backend, {info.parallel_layout}, "
                      f"{info.num_parameters / 1e6:.2f}M parameters on {info.device}")
         await self.sync.publish()

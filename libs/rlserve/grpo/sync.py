@@ -23,15 +23,20 @@ class WeightSync:
         """Learner -> rollout engines (directly where they run a weight-transfer engine) and the weight store;
         then make sure a replica serves it (one that missed the direct transfer loads the store copy)."""
         in_flight = self.inputs.spec.grpo.async_grpo.in_flight_weight_updates
+        shared = self.inputs.spec.shares_deployed_base
         t0 = time.perf_counter()
         exported = await self.services.export_weights(learner_pb2.ExportWeightsRequest(
-            run_id=self.inputs.run_id, store_name=self.weight_store, direct=True, in_flight=in_flight))
+            run_id=self.inputs.run_id, store_name=self.weight_store, direct=True, in_flight=in_flight,
+            shared_base=shared))
         applied = await self.services.update_weights(rollout_pb2.UpdateWeightsRequest(
-            version=exported.weight_version, store_name=self.weight_store, in_flight=in_flight))
+            version=exported.weight_version, store_name=self.weight_store, in_flight=in_flight,
+            run_id=self.inputs.run_id if shared else "", shared_base=shared))
         seconds = time.perf_counter() - t0
         self.run.version = exported.weight_version
         how = (f"sent directly to {exported.receivers} rollout replicas" if exported.receivers else
-               f"loaded by rollout replica {applied.replica_id} from the store")
+               f"loaded by rollout replica {applied.replica_id} from the store" + (
+                   " (served beside other runs' adapters; the other replicas load it on this run's next request "
+                   "there)" if shared else ""))
         failed = f"; {len(exported.failed)} dropped out (catching up from the store)" if exported.failed else ""
         what = (f"LoRA adapter tensors, {exported.num_bytes / 2**20:.2f} MiB of a "
                 f"{exported.model_bytes / 2**20:.1f} MiB model" if self.inputs.spec.policy.lora.enabled

@@ -223,9 +223,14 @@ class Publisher:
         self._store_copy: Future | None = None
         self._store_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-store-copy")
 
-    def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool) -> Published:
+    def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool,
+                shared_base: bool = False) -> Published:
         """Send this version to the engines (`direct`, from the session's second version on), publish
-        the store copy and announce it to the fleet."""
+        the store copy and announce it to the fleet. With `shared_base` (a LoRA run on the deployed
+        base) the adapter is published under the run's id only: replicas load it on the run's next
+        request there, and nothing else they serve changes."""
+        if shared_base and self.backend.adapter_config is None:
+            raise ValueError("shared_base: the run trains without LoRA; only an adapter is served beside others")
         self._wait_for_store_copy()  # the previous version's: publications stay in order
         t0 = time.perf_counter()
         version = self.backend.version
@@ -233,7 +238,7 @@ class Publisher:
         # An adapter goes through the store only: vLLM loads adapters from a folder (its weight-transfer
         # API reloads base parameters), and an adapter is small.
         members = (self._receivers() if direct and self.source.known is not None
-                   and self.backend.adapter_config is None else [])
+                   and self.backend.adapter_config is None and not shared_base else [])
         # A same-GPU handoff keeps the store copy's buckets in host memory (a snapshot: training may change
         # the weights next) and puts them into the object store after the round, off the step's path.
         handoff = bool(members) and members[0].transfer_backend == cuda_ipc.BACKEND
@@ -260,7 +265,7 @@ class Publisher:
             direct_seconds = time.perf_counter() - t0 - self.source.store_seconds
         self.source.finish()
         store_copy = partial(self._put_and_announce, run_id, version, refs, held, copy.num_tensors, copy.num_bytes,
-                             in_flight)
+                             in_flight, shared_base)
         if handoff and not failed:  # every engine has it: the copy is for replicas that start later
             self._put_in_background(store_copy, run_id, version)
         else:
@@ -271,10 +276,14 @@ class Publisher:
                          direct_seconds, seconds - direct_seconds, direct_bytes, receivers, failed)
 
     def _put_and_announce(self, run_id: str, version: int, refs: list[ray.ObjectRef],
-                          held: list[dict[str, torch.Tensor]], num_tensors: int, num_bytes: int, in_flight: bool
-                          ) -> None:
+                          held: list[dict[str, torch.Tensor]], num_tensors: int, num_bytes: int, in_flight: bool,
+                          shared_base: bool) -> None:
         t0 = time.perf_counter()
         refs = refs + [ray.put(bucket) for bucket in held]
+        if shared_base:
+            ray.get(self.store.publish_adapter.remote(run_id, version, refs, num_tensors, num_bytes,
+                                                      self.backend.adapter_config))
+            return
         publish_id = ray.get(self.store.publish.remote(run_id, version, refs, num_tensors, num_bytes, in_flight,
                                                        adapter_config=self.backend.adapter_config))
         ray.get(self.fleet.announce.remote(publish_id, version))

@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 
     from rlserve.config.spec import RunSpec
     from rlserve.learner.interfaces import LearnerBackend
+    from rlserve.learner.shared_base import BaseShare
 
 
 @dataclass(frozen=True)
 class BackendEntry:
-    # "module:Class" of the LearnerBackend, built as Class(spec, model_path, device, init_adapter).
+    # "module:Class" of the LearnerBackend, built as Class(spec, model_path, device, init_adapter[, shared]).
     backend: str
     # "module:function" (spec, hf_config) -> None that raises UnsupportedModel for a model the
     # backend cannot train as the spec configures it; the backend obeys the same reasons.
@@ -53,11 +54,15 @@ def check_model(spec: RunSpec, hf_config: Any) -> None:
 
 
 def make_backend(spec: RunSpec, model_path: Path, device: torch.device,
-                 init_adapter: Path | None = None) -> LearnerBackend:
+                 init_adapter: Path | None = None, shared: BaseShare | None = None) -> LearnerBackend:
     """The spec's backend on `model_path`; with LoRA, its adapters start from `init_adapter` when given
-    (a PEFT folder, e.g. the run's SFT warm start), else fresh (B = 0)."""
+    (a PEFT folder, e.g. the run's SFT warm start), else fresh (B = 0). `shared`: the frozen base is
+    held once with other runs' (`rlserve.learner.shared_base`; the dtensor backend, else ignored)."""
     from transformers import AutoConfig
 
     entry = BACKENDS[spec.policy.backend]
     check_model(spec, AutoConfig.from_pretrained(model_path))
-    return import_object(entry.backend)(spec, model_path, device, init_adapter)
+    cls = import_object(entry.backend)
+    if shared is not None and getattr(cls, "shares_base", False):
+        return cls(spec, model_path, device, init_adapter, shared)
+    return cls(spec, model_path, device, init_adapter)

@@ -260,6 +260,15 @@ class WeightFollower:
                 return [f"the adapter's base model {base}: {p}" for p in problems]
         return adapter.check_adapter(self.specs, got, adapter_config)
 
+    def check_run_adapter(self, got: dict[str, TensorSpec], adapter_config: dict) -> list[str]:
+        """Problems of a run's adapter served beside others (`rlserve.rollout.adapters`): it must adapt the
+        deployed model itself."""
+        base, deployed = self._base(adapter_config), Path(self.engine.info().model).resolve()
+        if base != deployed:
+            return [f"the adapter's base model {base} is not the deployed model {deployed} (a run on its own "
+                    f"base does not share the rollout)"]
+        return adapter.check_adapter(self.specs, got, adapter_config)
+
     def _base(self, adapter_config: dict) -> Path:
         """The model folder an adapter applies to (the deployed model when its config names none)."""
         named = adapter_config.get("base_model_name_or_path")

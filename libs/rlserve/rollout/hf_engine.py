@@ -16,7 +16,14 @@ from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint
-from rlserve.rollout.interfaces import BatchEngine, EngineConfig, EngineInfo, GeneratedSample, SamplingSpec
+from rlserve.rollout.interfaces import (
+    BatchEngine,
+    EngineConfig,
+    EngineInfo,
+    GeneratedSample,
+    RunAdapter,
+    SamplingSpec,
+)
 from rlserve.weights import adapter, cuda_ipc
 
 
@@ -49,9 +56,13 @@ class TransformersEngine(BatchEngine):
         self._served_adapter: tuple[int, list[str]] | None = None  # (rank, targets) of the adapter layers added
         # The base model the weights are (adapters apply to it); None after a full-weight update.
         self._base: Path | None = Path(cfg.model_path).resolve()
+        # Runs' adapters on the deployed base (`RunAdapter`): adapter id -> peft adapter name.
+        self._run_adapters: dict[int, str] = {}
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                 adapter: RunAdapter | None = None) -> list[list[GeneratedSample]]:
+        self._activate(self._run_adapter(adapter) if adapter else "default" if self._served_adapter else None)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         rows = [ids for ids in prompts for _ in range(n)]
@@ -103,6 +114,55 @@ class TransformersEngine(BatchEngine):
                     return GeneratedSample(ids[:k + 1], lps[:k + 1], "stop", text[: text.index(hit[0])])
         return GeneratedSample(ids, lps, "length", self.tokenizer.decode(ids, skip_special_tokens=True))
 
+    def _run_adapter(self, run_adapter: RunAdapter) -> str:
+        """The peft adapter name of a run's adapter version, added from its folder when not held (on the
+        deployed base, restored first when other weights serve)."""
+        if not self.cfg.enable_lora:
+            raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
+        deployed = Path(self.cfg.model_path).resolve()
+        if self._base != deployed or self._served_adapter is not None:
+            self._load_base(deployed)
+        name = self._run_adapters.get(run_adapter.adapter_id)
+        if name is None:
+            name = f"run{run_adapter.adapter_id}"
+            self._inject(run_adapter.folder, name)
+            self._run_adapters[run_adapter.adapter_id] = name
+        return name
+
+    def _inject(self, folder: Path, name: str) -> dict:
+        """peft's layers for adapter `name`, filled from the PEFT folder; returns its config."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        tensors, config = adapter.read_adapter(folder)
+        inject_adapter_in_model(LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"],
+                                           target_modules=config["target_modules"], bias="none"),
+                                self.model, adapter_name=name)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for saved, tensor in tensors.items():
+                params[adapter.param_name(saved, name)].copy_(tensor)
+        self.model.eval()
+        return config
+
+    def _activate(self, name: str | None) -> None:
+        """Adapter `name` on in every LoRA layer that has it (the others pass through); None: the base alone."""
+        from peft.tuners.lora import LoraLayer
+
+        for m in self.model.modules():
+            if isinstance(m, LoraLayer):
+                m._disable_adapters = name is None or name not in m.lora_A
+                if not m._disable_adapters:
+                    m._active_adapter = [name]
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        name = self._run_adapters.pop(adapter_id, None)
+        if name is not None:
+            for m in self.model.modules():
+                if isinstance(m, LoraLayer) and name in m.lora_A:
+                    m.delete_adapter(name)
+
     def load_adapter(self, folder: Path, base: Path) -> None:
         """peft's LoRA layers, added at the first adapter and refilled by every later one."""
         from peft import LoraConfig, inject_adapter_in_model
@@ -110,7 +170,7 @@ class TransformersEngine(BatchEngine):
         if not self.cfg.enable_lora:
             raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
         tensors, config = adapter.read_adapter(folder)
-        if self._base != base.resolve():  # other weights serve now (another run's): the base first
+        if self._base != base.resolve() or self._run_adapters:  # other weights or runs' adapters: the base first
             self._load_base(base)
         if self._served_adapter is None:
             inject_adapter_in_model(LoraConfig(r=config["r"], lora_alpha=config["lora_alpha"],
@@ -137,7 +197,7 @@ class TransformersEngine(BatchEngine):
     def _load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
         """Checkpoint-named tensors into the live model (fused MoE experts and tied weights included); a
         model that carries adapters (an earlier LoRA run's) is rebuilt without them first."""
-        if self._served_adapter is not None:
+        if self._served_adapter is not None or self._run_adapters:
             self._load_base(self.cfg.model_path)
         load_from_checkpoint(self.model, state)
         self._base = None
@@ -145,7 +205,7 @@ class TransformersEngine(BatchEngine):
     def _load_base(self, base: Path) -> None:
         """The model in `base` (the deployed one, or a run's starting point), without adapters."""
         self.model = load_causal_lm(base, torch_dtype(self.cfg.dtype)).to(self.device).eval()
-        self._served_adapter, self._base = None, base.resolve()
+        self._served_adapter, self._base, self._run_adapters = None, base.resolve(), {}
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

@@ -112,6 +112,19 @@ class GeneratedSample:
         return min(r.version for r in self.version_runs)
 
 
+@dataclass(frozen=True)
+class RunAdapter:
+    """One version of a run's LoRA adapter on the deployed base (`rlserve.rollout.adapters`), which a
+    request names to generate with it, beside other runs' adapters. `adapter_id` is new for every
+    loaded version; an engine that does not hold it (never loaded, or evicted) loads it from `folder`.
+    Its samples are labelled `version` whatever else the engine loads meanwhile."""
+
+    adapter_id: int
+    run_id: str
+    version: int
+    folder: Path
+
+
 @dataclass
 class EngineInfo:
     engine: str
@@ -144,8 +157,11 @@ class RolloutEngine(ABC):
     num_transfer_workers: int = 1
 
     @abstractmethod
-    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        """`n` samples for each prompt, in prompt order."""
+    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                       adapter: RunAdapter | None = None) -> list[list[GeneratedSample]]:
+        """`n` samples for each prompt, in prompt order; with `adapter`, on the deployed base with that run's
+        adapter (the engine restores the deployed base first if other weights serve), never pausing
+        other requests."""
 
     @property
     @abstractmethod
@@ -171,6 +187,9 @@ class RolloutEngine(ABC):
         start); the engine loads it first when it serves other weights. The engine owns `folder`
         from then on and removes it once it no longer reads it."""
         raise NotImplementedError(f"the {self.name} engine serves without LoRA (enable_lora in its args)")
+
+    async def drop_adapter(self, adapter_id: int) -> None:
+        """Forget a run's adapter version that no request uses any more (its folder stays the caller's)."""
 
     # vLLM's weight-transfer API, for engines with a `transfer_backend` (the learner drives the calls).
     async def init_weight_transfer(self, init_info: dict) -> None:
@@ -211,9 +230,10 @@ class BatchEngine(ABC):
     device: torch.device
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
-        """`n` samples for each prompt, in prompt order (version_runs left empty); InvalidRequest if the
-        engine refuses the request."""
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                 adapter: RunAdapter | None = None) -> list[list[GeneratedSample]]:
+        """`n` samples for each prompt, in prompt order (version_runs left empty), with `adapter` as
+        `RolloutEngine.generate`; InvalidRequest if the engine refuses the request."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -227,6 +247,9 @@ class BatchEngine(ABC):
         """Generate with the PEFT adapter in `folder` on the base model in `base` from now on (already
         validated; the engine loads the base first when it serves other weights)."""
         raise NotImplementedError(f"the {self.name} engine serves without LoRA (enable_lora in its args)")
+
+    def drop_adapter(self, adapter_id: int) -> None:
+        """As `RolloutEngine.drop_adapter`."""
 
     @abstractmethod
     def info(self) -> EngineInfo: ...

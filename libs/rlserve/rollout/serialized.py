@@ -4,8 +4,9 @@ Generation and weight loads take turns under one lock, so every sample comes
 from exactly one weight version whatever the caller asks (`in_flight` cannot
 apply to a batch that holds the engine until it is done). A cancelled caller
 keeps the lock until its thread is done (`in_thread_to_the_end`): the engine
-is not re-entrant. This is the
-transformers engine's simple path; vLLM's engine serves concurrently instead.
+is not re-entrant. Runs' adapters
+(`RunAdapter`) take turns like everything else: one batch of one adapter at a
+time. This is the transformers engine's simple path; vLLM's engine serves concurrently instead.
 A same-GPU handoff from the learner (`rlserve.weights.cuda_ipc`) stages its
 bytes while the engine generates and loads them under the lock.
 """
@@ -26,6 +27,7 @@ from rlserve.rollout.interfaces import (
     EngineStats,
     GeneratedSample,
     RolloutEngine,
+    RunAdapter,
     SamplingSpec,
     VersionRun,
 )
@@ -48,12 +50,13 @@ class Serialized(RolloutEngine):
     def version(self) -> int:
         return self._version
 
-    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                       adapter: RunAdapter | None = None) -> list[list[GeneratedSample]]:
         async with self._lock:
-            version = self._version
+            version = self._version if adapter is None else adapter.version
             self._activity.request_started()
             try:
-                out = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling)
+                out = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling, adapter)
             finally:
                 self._activity.request_finished()
         return [[replace(s, version_runs=(VersionRun(version, 0, len(s.token_ids)),)) for s in group]
@@ -76,6 +79,10 @@ class Serialized(RolloutEngine):
             finally:
                 shutil.rmtree(folder, ignore_errors=True)  # read whole: the engine keeps its tensors
             self._version = version
+
+    async def drop_adapter(self, adapter_id: int) -> None:
+        async with self._lock:
+            await in_thread_to_the_end(self.engine.drop_adapter, adapter_id)
 
     def _handoff(self) -> CudaIpcReceiver:
         if self._receiver is None:

@@ -52,6 +52,7 @@ from rlserve.rollout.interfaces import (
     GeneratedSample,
     InvalidRequest,
     RolloutEngine,
+    RunAdapter,
     SamplingSpec,
     VersionRun,
 )
@@ -167,16 +168,49 @@ class VllmEngine(RolloutEngine):
 
     # --- generation ------------------------------------------------------------------
 
-    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec) -> list[list[GeneratedSample]]:
+    async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                       adapter: RunAdapter | None = None) -> list[list[GeneratedSample]]:
         from vllm.exceptions import VLLMClientError
+        from vllm.lora.request import LoRARequest
 
+        lora = self._lora
+        if adapter is not None:
+            await self._deployed_base()
+            # vLLM loads the adapter from its folder when it does not hold it (first use, or evicted
+            # from its max_loras slots and CPU cache) and batches requests of several adapters together.
+            lora = LoRARequest(f"{adapter.run_id}@{adapter.version}", adapter.adapter_id, str(adapter.folder))
         try:
-            return list(await asyncio.gather(*(self._generate_one(ids, n, sampling, i)
+            return list(await asyncio.gather(*(self._generate_one(ids, n, sampling, i, lora, adapter)
                                                for i, ids in enumerate(prompts))))
         except (VLLMClientError, ValueError) as err:  # vLLM's checks of the request (ValueError in older paths)
             raise InvalidRequest(str(err)) from None
 
-    async def _generate_one(self, ids: list[int], n: int, sampling: SamplingSpec, index: int) -> list[GeneratedSample]:
+    async def _deployed_base(self) -> None:
+        """Runs' adapters apply to the deployed model: restore it if a run's own weights serve (a full-parameter
+        run's, or an exclusive adapter on a run's own base)."""
+        if not self.cfg.enable_lora:
+            raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
+        deployed = Path(self.cfg.model_path).resolve()
+        if self._base == deployed and self._lora is None:
+            return
+        async with self._updating:
+            if self._base == deployed and self._lora is None:
+                return
+            await self._pause(in_flight=False)
+            try:
+                if self._base != deployed:
+                    await self.llm.collective_rpc("rlserve_reload_weights", kwargs={"weights_path": str(deployed)})
+                self._base, self._lora = deployed, None
+                await self.llm.update_weight_version("0")
+                await self._switched(0, in_flight=False)
+            finally:
+                await self._resume()
+
+    async def drop_adapter(self, adapter_id: int) -> None:
+        await self.llm.remove_lora(adapter_id)
+
+    async def _generate_one(self, ids: list[int], n: int, sampling: SamplingSpec, index: int, lora,
+                            adapter: RunAdapter | None) -> list[GeneratedSample]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -203,20 +237,22 @@ class VllmEngine(RolloutEngine):
         try:
             # Cached prefixes are keyed by the weights that computed them: a kept KV cache
             # (`in_flight_kv_cache: keep`) never serves a later request old weights' blocks.
-            prompt = {"prompt_token_ids": ids, "cache_salt": f"weights-{self._version}"}
-            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex,
-                                               lora_request=self._lora):
+            salt = f"weights-{self._version}" if adapter is None else f"adapter-{adapter.adapter_id}"
+            prompt = {"prompt_token_ids": ids, "cache_salt": salt}
+            async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, lora_request=lora):
                 final = out
         finally:
             self._activity.request_finished()
-        return [self._sample(o, params.detokenize) for o in final.outputs]
+        return [self._sample(o, params.detokenize, adapter) for o in final.outputs]
 
-    def _sample(self, o, detokenized: bool) -> GeneratedSample:
+    def _sample(self, o, detokenized: bool, adapter: RunAdapter | None) -> GeneratedSample:
         ids = list(o.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
-        spans = o.weight_versions or []
-        runs = tuple(VersionRun(_version_of(s.version), s.start, s.end) for s in spans) or \
-            (VersionRun(self._version, 0, len(ids)),)
+        if adapter is not None:  # a run's adapter version is fixed for its requests (vLLM's label is the base's)
+            runs = (VersionRun(adapter.version, 0, len(ids)),)
+        else:
+            runs = tuple(VersionRun(_version_of(s.version), s.start, s.end) for s in o.weight_versions or []) or \
+                (VersionRun(self._version, 0, len(ids)),)
         text = o.text if detokenized else self._tokenizer.decode(ids, skip_special_tokens=True)
         return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), text, runs)
 

@@ -1,7 +1,12 @@
 """The runs of a coordinator: submission, the queue, preflight, cancellation and restart.
 
-The rollout and learner services hold one policy at a time, so runs are
-queued and run one at a time in submission order. A run lives in memory
+Runs are queued and start in submission order. A run that trains a LoRA
+adapter on the deployed base (`RunSpec.shares_deployed_base`) shares the
+rollout engines (its adapter beside the others') and the learner's workers
+(one frozen base): up to `max_concurrent_runs` such runs train at once. Any
+other run (full-parameter, or LoRA on its own base) needs the policy engines
+alone: it starts once the runs before it have ended, and the runs after it wait
+for it, so it is never starved. A run lives in memory
 while the coordinator is up and in its run directory on disk (run.json,
 events.jsonl) across restarts. A coordinator that starts reloads every run
 with its events (sequence numbers continue); a run that was running resumes
@@ -116,13 +121,15 @@ def _not_found(run_id: str) -> RpcError:
 
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
-                 resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None):
+                 resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None,
+                 max_concurrent_runs: int = 1):
         self.runs_dir = runs_dir
         self.body = body
         self.admission = admission
         self.preflight_timeout_s = preflight_timeout_s
         self.resume_on_restart = resume_on_restart
         self.max_queued_runs = max_queued_runs
+        self.max_concurrent_runs = max_concurrent_runs
         # None: no per-user quotas (the coordinator always passes the cluster file's).
         self.quotas = quotas
         self._slots: dict[str, _Slot] = {}
@@ -355,12 +362,21 @@ class RunManager:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _may_start(self, head: _Slot) -> bool:
+        """Whether the queue's head may start beside the runs that are active."""
+        active = [s for s in self._slots.values() if s.active]
+        if not active:
+            return True
+        shared = head.run.spec.shares_deployed_base and all(s.run.spec.shares_deployed_base for s in active)
+        return shared and len(active) < self.max_concurrent_runs
+
     def _schedule(self) -> None:
-        """Start the queue's head once nothing runs; it waits until its preflight passed."""
-        while self.queue and not any(s.active for s in self._slots.values()) and not self.closing:
+        """Start queued runs in order while they may run beside the active ones; each waits until its
+        preflight passed."""
+        while self.queue and not self.closing:
             head = self._slots[self.queue[0]]
-            if not head.preflight_passed:
-                return  # its preflight calls _schedule when it ends (and takes it off the queue if it fails)
+            if not head.preflight_passed or not self._may_start(head):
+                return  # a preflight or a run that ends calls _schedule again (a failed preflight unqueues)
             self.queue.pop(0)
             head.cancel_requested = False
             head.run.set_state(pb.RUN_STATE_RUNNING)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlserve/v1/learner.proto\x12\nrlserve.v1\"N\n\x10\x43onfigureRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_yaml\x18\x02 \x01(\t\x12\x17\n\x0finit_model_path\x18\x03 \x01(\t\"\x91\x01\n\x11\x43onfigureResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x17\n\x0fparallel_layout\x18\x03 \x01(\t\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xb1\x01\n\rTrainSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x11\n\tadvantage\x18\x03 \x01(\x02\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x1a\n\x12reference_logprobs\x18\x05 \x03(\x02\x12\x18\n\x10token_advantages\x18\x06 \x03(\x02\x12\x11\n\tloss_mask\x18\x07 \x03(\x08\"\xdf\x01\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tloss_name\x18\x06 \x01(\t\x12,\n\tsequences\x18\x03 \x03(\x0b\x32\x19.rlserve.v1.TrainSequence\x12\x1a\n\rlearning_rate\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12$\n\x17\x65xpected_weight_version\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x1a\n\x18_expected_weight_versionJ\x04\x08\x02\x10\x03R\x04loss\"\x98\x01\n\x11TrainStepResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.rlserve.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"]\n\x14\x45xportWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nstore_name\x18\x02 \x01(\t\x12\x0e\n\x06\x64irect\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\"\xfa\x01\n\x15\x45xportWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x02 \x01(\x05\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x14\n\x0c\x64irect_bytes\x18\x06 \x01(\x03\x12\x11\n\treceivers\x18\x07 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x08 \x03(\t\x12\x13\n\x0bmodel_bytes\x18\t \x01(\x03\x12\x16\n\x0e\x64irect_seconds\x18\n \x01(\x01\x12\x15\n\rstore_seconds\x18\x0b \x01(\x01\"F\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07hf_path\x18\x03 \x01(\t\">\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"5\n\x15LoadCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"0\n\x16LoadCheckpointResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\"\'\n\x15ReleaseSessionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xfe\x03\n\x07Learner\x12H\n\tConfigure\x12\x1c.rlserve.v1.ConfigureRequest\x1a\x1d.rlserve.v1.ConfigureResponse\x12H\n\tTrainStep\x12\x1c.rlserve.v1.TrainStepRequest\x1a\x1d.rlserve.v1.TrainStepResponse\x12T\n\rExportWeights\x12 .rlserve.v1.ExportWeightsRequest\x1a!.rlserve.v1.ExportWeightsResponse\x12W\n\x0eSaveCheckpoint\x12!.rlserve.v1.SaveCheckpointRequest\x1a\".rlserve.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlserve.v1.LoadCheckpointRequest\x1a\".rlserve.v1.LoadCheckpointResponse\x12W\n\x0eReleaseSession\x12!.rlserve.v1.ReleaseSessionRequest\x1a\".rlserve.v1.ReleaseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlserve/v1/learner.proto\x12\nrlserve.v1\"c\n\x10\x43onfigureRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tspec_yaml\x18\x02 \x01(\t\x12\x17\n\x0finit_model_path\x18\x03 \x01(\t\x12\x13\n\x0bshared_base\x18\x04 \x01(\x08\"\x91\x01\n\x11\x43onfigureResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x17\n\x0fparallel_layout\x18\x03 \x01(\t\x12\x16\n\x0enum_parameters\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\"\xb1\x01\n\rTrainSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rprompt_length\x18\x02 \x01(\x05\x12\x11\n\tadvantage\x18\x03 \x01(\x02\x12\x1a\n\x12generator_logprobs\x18\x04 \x03(\x02\x12\x1a\n\x12reference_logprobs\x18\x05 \x03(\x02\x12\x18\n\x10token_advantages\x18\x06 \x03(\x02\x12\x11\n\tloss_mask\x18\x07 \x03(\x08\"\xdf\x01\n\x10TrainStepRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x11\n\tloss_name\x18\x06 \x01(\t\x12,\n\tsequences\x18\x03 \x03(\x0b\x32\x19.rlserve.v1.TrainSequence\x12\x1a\n\rlearning_rate\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12$\n\x17\x65xpected_weight_version\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x10\n\x0e_learning_rateB\x1a\n\x18_expected_weight_versionJ\x04\x08\x02\x10\x03R\x04loss\"\x98\x01\n\x11TrainStepResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12;\n\x07metrics\x18\x02 \x03(\x0b\x32*.rlserve.v1.TrainStepResponse.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"r\n\x14\x45xportWeightsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nstore_name\x18\x02 \x01(\t\x12\x0e\n\x06\x64irect\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\x08\x12\x13\n\x0bshared_base\x18\x05 \x01(\x08\"\xfa\x01\n\x15\x45xportWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_buckets\x18\x02 \x01(\x05\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\x12\x11\n\tnum_bytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x14\n\x0c\x64irect_bytes\x18\x06 \x01(\x03\x12\x11\n\treceivers\x18\x07 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x08 \x03(\t\x12\x13\n\x0bmodel_bytes\x18\t \x01(\x03\x12\x16\n\x0e\x64irect_seconds\x18\n \x01(\x01\x12\x15\n\rstore_seconds\x18\x0b \x01(\x01\"F\n\x15SaveCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0f\n\x07hf_path\x18\x03 \x01(\t\">\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"5\n\x15LoadCheckpointRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"0\n\x16LoadCheckpointResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\"\'\n\x15ReleaseSessionRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xfe\x03\n\x07Learner\x12H\n\tConfigure\x12\x1c.rlserve.v1.ConfigureRequest\x1a\x1d.rlserve.v1.ConfigureResponse\x12H\n\tTrainStep\x12\x1c.rlserve.v1.TrainStepRequest\x1a\x1d.rlserve.v1.TrainStepResponse\x12T\n\rExportWeights\x12 .rlserve.v1.ExportWeightsRequest\x1a!.rlserve.v1.ExportWeightsResponse\x12W\n\x0eSaveCheckpoint\x12!.rlserve.v1.SaveCheckpointRequest\x1a\".rlserve.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlserve.v1.LoadCheckpointRequest\x1a\".rlserve.v1.LoadCheckpointResponse\x12W\n\x0eReleaseSession\x12!.rlserve.v1.ReleaseSessionRequest\x1a\".rlserve.v1.ReleaseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
   _globals['_CONFIGUREREQUEST']._serialized_start=40
-  _globals['_CONFIGUREREQUEST']._serialized_end=118
-  _globals['_CONFIGURERESPONSE']._serialized_start=121
-  _globals['_CONFIGURERESPONSE']._serialized_end=266
-  _globals['_TRAINSEQUENCE']._serialized_start=269
-  _globals['_TRAINSEQUENCE']._serialized_end=446
-  _globals['_TRAINSTEPREQUEST']._serialized_start=449
-  _globals['_TRAINSTEPREQUEST']._serialized_end=672
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=675
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=827
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=781
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=827
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=829
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=922
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=925
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=1175
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1177
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1247
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1249
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1311
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1313
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1366
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1368
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1416
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=1418
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=1457
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1459
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1501
-  _globals['_LEARNER']._serialized_start=1504
-  _globals['_LEARNER']._serialized_end=2014
+  _globals['_CONFIGUREREQUEST']._serialized_end=139
+  _globals['_CONFIGURERESPONSE']._serialized_start=142
+  _globals['_CONFIGURERESPONSE']._serialized_end=287
+  _globals['_TRAINSEQUENCE']._serialized_start=290
+  _globals['_TRAINSEQUENCE']._serialized_end=467
+  _globals['_TRAINSTEPREQUEST']._serialized_start=470
+  _globals['_TRAINSTEPREQUEST']._serialized_end=693
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=696
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=848
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=802
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=848
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=850
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=964
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=967
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=1217
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=1219
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=1289
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=1291
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=1353
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=1355
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=1408
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=1410
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=1458
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1460
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1499
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1501
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1543
+  _globals['_LEARNER']._serialized_start=1546
+  _globals['_LEARNER']._serialized_end=2056
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConfigureRequest(_message.Message):
-    __slots__ = ("run_id", "spec_yaml", "init_model_path")
+    __slots__ = ("run_id", "spec_yaml", "init_model_path", "shared_base")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
     INIT_MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec_yaml: str
     init_model_path: str
-    def __init__(self, run_id: _Optional[str] = ..., spec_yaml: _Optional[str] = ..., init_model_path: _Optional[str] = ...) -> None: ...
+    shared_base: bool
+    def __init__(self, run_id: _Optional[str] = ..., spec_yaml: _Optional[str] = ..., init_model_path: _Optional[str] = ..., shared_base: _Optional[bool] = ...) -> None: ...
 
 class ConfigureResponse(_message.Message):
     __slots__ = ("backend", "world_size", "parallel_layout", "num_parameters", "weight_version", "device")
@@ -80,16 +82,18 @@ class TrainStepResponse(_message.Message):
     def __init__(self, weight_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "store_name", "direct", "in_flight")
+    __slots__ = ("run_id", "store_name", "direct", "in_flight", "shared_base")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_NAME_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     store_name: str
     direct: bool
     in_flight: bool
-    def __init__(self, run_id: _Optional[str] = ..., store_name: _Optional[str] = ..., direct: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
+    shared_base: bool
+    def __init__(self, run_id: _Optional[str] = ..., store_name: _Optional[str] = ..., direct: _Optional[bool] = ..., in_flight: _Optional[bool] = ..., shared_base: _Optional[bool] = ...) -> None: ...
 
 class ExportWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "num_buckets", "num_tensors", "num_bytes", "seconds", "direct_bytes", "receivers", "failed", "model_bytes", "direct_seconds", "store_seconds")

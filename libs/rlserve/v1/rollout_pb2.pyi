@@ -16,18 +16,20 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id")
+    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     num_samples: int
     sampling: _common_pb2.SamplingParams
     min_weight_version: int
     run_id: str
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    shared_base: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ...) -> None: ...
 
 class VersionRun(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -88,18 +90,22 @@ class EngineActivity(_message.Message):
     def __init__(self, uptime_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., requests_running: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "store_name", "safetensors_path", "force", "in_flight")
+    __slots__ = ("version", "store_name", "safetensors_path", "force", "in_flight", "run_id", "shared_base")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STORE_NAME_FIELD_NUMBER: _ClassVar[int]
     SAFETENSORS_PATH_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     store_name: str
     safetensors_path: str
     force: bool
     in_flight: bool
-    def __init__(self, version: _Optional[int] = ..., store_name: _Optional[str] = ..., safetensors_path: _Optional[str] = ..., force: _Optional[bool] = ..., in_flight: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    shared_base: bool
+    def __init__(self, version: _Optional[int] = ..., store_name: _Optional[str] = ..., safetensors_path: _Optional[str] = ..., force: _Optional[bool] = ..., in_flight: _Optional[bool] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "num_tensors", "num_bytes", "fetch_seconds", "apply_seconds", "replica_id")
@@ -122,7 +128,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity", "run_id", "lora_enabled", "max_loras", "max_lora_rank")
+    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity", "run_id", "lora_enabled", "max_loras", "max_lora_rank", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +146,7 @@ class GetInfoResponse(_message.Message):
     LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     weight_version: int
@@ -157,4 +164,13 @@ class GetInfoResponse(_message.Message):
     lora_enabled: bool
     max_loras: int
     max_lora_rank: int
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ..., run_id: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[RunAdapter]
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ..., run_id: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[RunAdapter, _Mapping]]] = ...) -> None: ...
+
+class RunAdapter(_message.Message):
+    __slots__ = ("run_id", "version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

@@ -34,10 +34,10 @@ def peft_name(param_name: str) -> str:
     return PEFT_PREFIX + param_name.replace(".default.", ".")
 
 
-def param_name(saved: str) -> str:
-    """The inverse of `peft_name`."""
+def param_name(saved: str, adapter_name: str = "default") -> str:
+    """The inverse of `peft_name` (the parameter of peft's adapter `adapter_name`)."""
     module, _, kind = saved.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-    return f"{module}.lora_{kind.replace('.', '.default.', 1)}"
+    return f"{module}.lora_{kind.replace('.', f'.{adapter_name}.', 1)}"
 
 
 def adapter_config(rank: int, alpha: float, dropout: float, targets: list[str], base_model: str) -> dict[str, Any]:

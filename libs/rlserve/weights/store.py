@@ -8,6 +8,12 @@ session that put them (Ray 2.56 removed `ray.put`'s `_owner`, and a second
 copy owned here would double the cost of every version); a learner that
 restarts restores its checkpoint and publishes again.
 
+LoRA runs on the deployed base (`shared_base`) publish beside the head, each
+under its own run id: many runs' adapters are served at once, and a replica
+loads a run's adapter when a request of that run needs it
+(`rlserve.rollout.adapters`). The learner drops a run's adapter when its
+session ends; `MAX_ADAPTERS` bounds how many the store holds.
+
 The store tells nobody about a publication: whoever publishes announces it to
 the fleet (`fleet.py`), and a replica compares `head()` with what it serves
 before each request, which covers a notice still on its way (or lost with a
@@ -23,6 +29,8 @@ import ray
 
 STORE_NAMESPACE = "rlserve"
 DEFAULT_STORE_NAME = "rlserve-weights"
+# Runs' adapters held at once (one version each); the oldest publication goes first beyond it.
+MAX_ADAPTERS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class Publication:
 class WeightStore:
     def __init__(self) -> None:
         self._head: Publication | None = None
+        self._adapters: dict[str, Publication] = {}  # shared_base runs' newest adapters, oldest first
+        self._adapter_ids = 0
 
     async def publish(self, run_id: str, version: int, bucket_refs: list[Any], num_tensors: int, num_bytes: int,
                       in_flight: bool, safetensors_path: str | None = None, adapter_config: dict | None = None
@@ -65,6 +75,28 @@ class WeightStore:
 
     async def latest(self) -> Publication | None:
         return self._head
+
+    async def publish_adapter(self, run_id: str, version: int, bucket_refs: list[Any], num_tensors: int,
+                              num_bytes: int, adapter_config: dict) -> int:
+        """Make `version` the run's newest adapter (its previous one is released); returns its publish id."""
+        self._adapter_ids += 1
+        self._adapters.pop(run_id, None)
+        self._adapters[run_id] = Publication(self._adapter_ids, run_id, version, num_tensors, num_bytes,
+                                             bucket_refs=list(bucket_refs), adapter_config=adapter_config)
+        while len(self._adapters) > MAX_ADAPTERS:
+            self._adapters.pop(next(iter(self._adapters)))
+        return self._adapter_ids
+
+    async def adapter_head(self, run_id: str) -> tuple[int, int] | None:
+        """(publish_id, version) of the run's newest adapter, without its refs."""
+        pub = self._adapters.get(run_id)
+        return None if pub is None else (pub.publish_id, pub.version)
+
+    async def adapter(self, run_id: str) -> Publication | None:
+        return self._adapters.get(run_id)
+
+    async def drop_adapter(self, run_id: str) -> bool:
+        return self._adapters.pop(run_id, None) is not None
 
 
 def named_on_head(actor_cls: Any, name: str) -> ray.actor.ActorHandle:

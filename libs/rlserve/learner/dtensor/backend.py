@@ -18,6 +18,7 @@ from rlserve.learner.dtensor import checkpoint, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
+from rlserve.learner.shared_base import BaseShare
 from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.attention import register_hf_attention, unsupported_reason
 from rlserve.training.batch import MicroBatch
@@ -61,8 +62,10 @@ class PolicyLogprobs(nn.Module):
 
 class DTensorBackend(LearnerBackend):
     name = "dtensor"
+    shares_base = True  # LoRA runs hold their frozen base once (`rlserve.learner.shared_base`)
 
-    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device, init_adapter: Path | None = None):
+    def __init__(self, spec: RunSpec, model_path: Path, device: torch.device, init_adapter: Path | None = None,
+                 shared: BaseShare | None = None):
         from transformers import AutoConfig
 
         self.spec, self.model_path, self.device = spec, Path(model_path), device
@@ -93,7 +96,9 @@ class DTensorBackend(LearnerBackend):
                     param.data = param.data.to(self.param_dtype)
         lm.to(device)
         self.model = PolicyLogprobs(lm, maskless=self.attention_fallback is None)
-        parallelize(self.model, lm, self.mesh, cfg, self.param_dtype)
+        share = shared is not None and self.adapter_config is not None
+        parallelize(self.model, lm, self.mesh, cfg, self.param_dtype, frozen_outside=share)
+        self.shared_bytes = shared.share(self.model) if share else 0
         self.accumulate_unsharded = self.dims.dp == 1 and not cfg.cpu_offload
         if init_adapter is not None:
             self._load_adapter(init_adapter)
@@ -114,6 +119,8 @@ class DTensorBackend(LearnerBackend):
                      else "maskless packed attention")
         adapters = (f"; LoRA r={self.adapter_config['r']} on {','.join(self.adapter_config['target_modules'])}, "
                     f"{sum(p.numel() for p in self.trainable) / 1e6:.2f}M trainable" if self.adapter_config else "")
+        if self.shared_bytes:
+            adapters += f"; frozen base shared with other runs ({self.shared_bytes / 2**20:.1f} MiB not held again)"
         return BackendInfo(self.name, self.dims.world_size, f"{self.dims.describe()}; {attention}{adapters}",
                            self.num_parameters, str(self.device))
 

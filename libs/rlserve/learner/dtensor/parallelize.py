@@ -172,10 +172,14 @@ def apply_activation_checkpointing(lm: nn.Module) -> None:
 
 
 def apply_fsdp(root: nn.Module, lm: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
-               cpu_offload: bool) -> None:
-    """FSDP2 per decoder layer, then the root (embeddings, final norm, head: tied weights share a unit)."""
+               cpu_offload: bool, frozen_outside: bool = False) -> None:
+    """FSDP2 per decoder layer, then the root (embeddings, final norm, head: tied weights share a unit).
+    `frozen_outside`: frozen parameters stay whole on every rank, outside FSDP (a LoRA base shared
+    between runs, `rlserve.learner.shared_base`)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = {"mesh": dp_mesh, "mp_policy": mp}
+    if frozen_outside:
+        kwargs["ignored_params"] = {p for p in root.parameters() if not p.requires_grad}
     if cpu_offload:
         if dp_mesh.device_type != "cuda":
             raise ValueError("policy.dtensor_cfg.cpu_offload: offloads GPU parameters to host memory; "
@@ -191,9 +195,10 @@ def apply_fsdp(root: nn.Module, lm: nn.Module, dp_mesh: DeviceMesh, param_dtype:
     fully_shard(root, reshard_after_forward=not keep_gathered, **kwargs)
 
 
-def parallelize(root: nn.Module, lm: nn.Module, mesh: DeviceMesh, cfg: DTensorCfg, param_dtype: torch.dtype) -> None:
+def parallelize(root: nn.Module, lm: nn.Module, mesh: DeviceMesh, cfg: DTensorCfg, param_dtype: torch.dtype,
+                frozen_outside: bool = False) -> None:
     if mesh["tp"].size() > 1:
         apply_tp(lm, mesh["tp"], cfg.sequence_parallel)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(lm)
-    apply_fsdp(root, lm, mesh["dp"], param_dtype, cfg.cpu_offload)
+    apply_fsdp(root, lm, mesh["dp"], param_dtype, cfg.cpu_offload, frozen_outside)
