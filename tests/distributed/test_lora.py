@@ -152,3 +152,42 @@ def test_the_exported_adapter_loads_in_peft_and_merges(tmp_path):
     torch.testing.assert_close(completion_logprobs(peft_model, seqs, prompts), learner, atol=1e-4, rtol=0)
     merged = peft_model.merge_and_unload()
     torch.testing.assert_close(completion_logprobs(merged, seqs, prompts), learner, atol=1e-4, rtol=0)
+
+
+def two_runs_on_one_base(rank: int, world: int, spec: dict, steps: int):
+    """Runs A (this file's spec) and B (another rank and targets) share one frozen base and train in turns."""
+    from rlserve.learner.dtensor.backend import DTensorBackend
+    from rlserve.learner.shared_base import SharedBases
+
+    bases, key = SharedBases(), ("tiny", "float32", "cpu")
+    other = {**spec, "policy": {**spec["policy"], "dtensor_cfg": {**spec["policy"]["dtensor_cfg"], "lora_cfg": {
+        "enabled": True, "dim": 4, "target_modules": ["q_proj", "v_proj"]}}}}
+    a = DTensorBackend(parse_spec(spec), resolve_model("preset:tiny"), torch.device("cpu"), None,
+                       bases.for_run(key, "a"))
+    b = DTensorBackend(parse_spec(other), resolve_model("preset:tiny"), torch.device("cpu"), None,
+                       bases.for_run(key, "b"))
+    frozen = {n.replace(".base_layer.", "."): p for n, p in a.model.named_parameters() if not p.requires_grad}
+    shared = all(p is frozen[n.replace(".base_layer.", ".")] for n, p in b.model.named_parameters()
+                 if not p.requires_grad)
+    before = {n: p.detach().clone() for n, p in frozen.items()}
+    losses = []
+    for step in range(steps):
+        losses.append(a.train_step(batch(step), "grpo").metrics["loss/total"])
+        b.train_step(batch(100 + step), "grpo")
+    unchanged = all(torch.equal(p, before[n]) for n, p in frozen.items())
+    adapter = {n: t.clone() for n, t in a.export_weights()}
+    bases.release("a")
+    runs_left = bases.runs(key)
+    return losses, (adapter if rank == 0 else None), shared, b.shared_bytes, unchanged, runs_left
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_runs_sharing_a_base_train_as_if_alone(reference_run, world):
+    """The frozen base is held once (B's frozen parameters are A's, outside FSDP: whole on each rank) and
+    stays as it was; A trains as it does alone although B trains between its steps."""
+    results = run_ranks(world, two_runs_on_one_base, spec_dict(world), STEPS)
+    losses, adapter, shared, shared_bytes, unchanged, runs_left = results[0]
+    assert shared and shared_bytes > 0 and unchanged and runs_left == {"b"}
+    assert losses == pytest.approx(reference_run[0], abs=2e-5)
+    for name, tensor in reference_run[1].items():
+        torch.testing.assert_close(adapter[name], tensor, atol=1e-4, rtol=1e-3, msg=name)

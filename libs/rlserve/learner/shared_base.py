@@ -39,9 +39,11 @@ class SharedBases:
         for name, param in list(module.named_parameters()):
             if param.requires_grad:
                 continue
-            held = base.params.get(name)
+            # An adapted layer's weight is its `base_layer`'s (peft), whatever other runs adapt.
+            canonical = name.replace(".base_layer.", ".")
+            held = base.params.get(canonical)
             if held is None:
-                base.params[name] = param
+                base.params[canonical] = param
             elif held is not param and (type(held), held.shape, held.dtype, held.device) == (
                     type(param), param.shape, param.dtype, param.device):
                 parent, _, leaf = name.rpartition(".")
