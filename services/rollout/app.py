@@ -107,7 +107,7 @@ class Rollout:
     def _activity(self) -> rollout_pb2.EngineActivity:
         s = self.engine.stats()
         return rollout_pb2.EngineActivity(uptime_s=s.uptime_s, idle_s=s.idle_s, paused_s=s.paused_s,
-                                          requests_running=s.requests_running)
+                                          requests_running=s.requests_running, generated_tokens=s.generated_tokens)
 
     # --- RPCs --------------------------------------------------------------
 

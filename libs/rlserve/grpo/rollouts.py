@@ -82,7 +82,8 @@ def record_generate(resp: rollout_pb2.GenerateResponse, seconds: float, timings:
     timings.generate_s += seconds
     timings.generate_engine_s += resp.engine_seconds
     if resp.replica_id:
-        timings.activity[resp.replica_id] = (resp.activity.uptime_s, resp.activity.idle_s, resp.activity.paused_s)
+        timings.activity[resp.replica_id] = (resp.activity.uptime_s, resp.activity.idle_s, resp.activity.paused_s,
+                                             float(resp.activity.generated_tokens))
 
 
 def sample_versions(completion: rollout_pb2.Completion, default: int) -> tuple[int, int, int]:

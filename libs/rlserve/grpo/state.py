@@ -24,8 +24,8 @@ from rlserve.data.prompts import PromptTokenizer
 from rlserve.data.tasks import Example
 from rlserve.models import resolve_model
 
-# Replica id -> (uptime_s, idle_s, paused_s) as a rollout replica last reported it.
-Activity = dict[str, tuple[float, float, float]]
+# Replica id -> (uptime_s, idle_s, paused_s, generated_tokens) as a rollout replica last reported it.
+Activity = dict[str, tuple[float, float, float, float]]
 
 
 @dataclass(frozen=True)

@@ -116,14 +116,17 @@ def completion_metrics(groups: list[Group], max_new_tokens: int) -> dict[str, fl
     return out
 
 
-def engine_idle(seen: Activity, before: Activity) -> dict[str, float]:
+def engine_idle(seen: Activity, before: Activity, own_tokens: float | None = None) -> dict[str, float]:
     """The rollout engines' idle share between two marks (replicas seen at both), the part of it
-    weight updates held them, and their busy seconds (the run's generation device-seconds)."""
-    up, idle, paused = (sum(seen[r][i] - before[r][i] for r in seen if r in before) for i in range(3))
+    weight updates held them, and their busy seconds: the run's generation device-seconds, or with
+    `own_tokens` (a run sharing the engines with others) its share of them by the tokens it generated
+    of all the engines generated meanwhile."""
+    up, idle, paused, tokens = (sum(seen[r][i] - before[r][i] for r in seen if r in before) for i in range(4))
     if up <= 0:
         return {}
+    share = 1.0 if own_tokens is None or tokens <= 0 else min(1.0, own_tokens / tokens)
     return {"engine/idle_fraction": idle / up, "engine/paused_fraction": paused / up,
-            "usage/generation_device_s": up - idle}
+            "usage/generation_device_s": (up - idle) * share}
 
 
 class Trainer:
@@ -180,7 +183,9 @@ class Trainer:
                    "timing/wait_for_rollouts_s": wait_s,
                    **completion_metrics(fresh, spec.policy.generation.max_new_tokens),
                    **episode_metrics(fresh),
-                   **engine_idle(seen, self.state.activity_mark)}
+                   **engine_idle(seen, self.state.activity_mark,
+                                 produced.metrics.get("usage/generated_tokens", 0.0)
+                                 if spec.shares_deployed_base else None)}
         if "usage/generation_device_s" not in metrics:  # no earlier mark (the run's first step): the calls' engine time
             metrics["usage/generation_device_s"] = produced.metrics.get("timing/generate_s", 0.0) - \
                 produced.metrics.get("plumbing/generate_s", 0.0)

@@ -2,7 +2,8 @@
 
 The async loop's promise is an engine that never waits; this clock is how
 that is checked. It is driven by the engine's own request and pause events
-(no polling) and read as cumulative seconds (`EngineStats`).
+(no polling) and read as cumulative seconds (`EngineStats`), with the tokens
+the engine generated: runs that share the engines split its busy time by them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class Activity:
         self._idle = self._paused = 0.0
         self._running = 0
         self._pauses = 0
+        self._tokens = 0
 
     def _advance(self) -> None:
         """Credit the time since the last event to idle (and paused) as the state was then."""
@@ -33,9 +35,10 @@ class Activity:
         self._advance()
         self._running += 1
 
-    def request_finished(self) -> None:
+    def request_finished(self, generated_tokens: int = 0) -> None:
         self._advance()
         self._running -= 1
+        self._tokens += generated_tokens
 
     def paused(self) -> None:
         self._advance()
@@ -48,4 +51,4 @@ class Activity:
     def stats(self) -> EngineStats:
         self._advance()
         return EngineStats(uptime_s=self._since - self._start, idle_s=self._idle, paused_s=self._paused,
-                           requests_running=self._running)
+                           requests_running=self._running, generated_tokens=self._tokens)

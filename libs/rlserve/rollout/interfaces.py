@@ -145,6 +145,7 @@ class EngineStats:
     # Paused for a weight update (part of idle_s when requests were waiting).
     paused_s: float
     requests_running: int
+    generated_tokens: int = 0  # completion tokens of the requests finished, every run's
 
 
 class RolloutEngine(ABC):

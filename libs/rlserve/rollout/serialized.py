@@ -55,10 +55,11 @@ class Serialized(RolloutEngine):
         async with self._lock:
             version = self._version if adapter is None else adapter.version
             self._activity.request_started()
+            out = []
             try:
                 out = await in_thread_to_the_end(self.engine.generate, prompts, n, sampling, adapter)
             finally:
-                self._activity.request_finished()
+                self._activity.request_finished(sum(len(s.token_ids) for group in out for s in group))
         return [[replace(s, version_runs=(VersionRun(version, 0, len(s.token_ids)),)) for s in group]
                 for group in out]
 

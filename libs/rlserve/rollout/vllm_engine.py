@@ -242,7 +242,7 @@ class VllmEngine(RolloutEngine):
             async for out in self.llm.generate(prompt, params, request_id=uuid.uuid4().hex, lora_request=lora):
                 final = out
         finally:
-            self._activity.request_finished()
+            self._activity.request_finished(sum(len(o.token_ids) for o in final.outputs) if final else 0)
         return [self._sample(o, params.detokenize, adapter) for o in final.outputs]
 
     def _sample(self, o, detokenized: bool, adapter: RunAdapter | None) -> GeneratedSample:

@@ -8,9 +8,13 @@ sum over its events, so it is what the event log says, like the ledger: a
 restarted coordinator rebuilds it from events.jsonl, and a step done twice
 after a recovery is counted twice, because it was spent twice.
 
-Runs train one at a time, so a step's engine and learner seconds are the
-run's alone; generation device-seconds are the engines' busy time between two
-steps (validation generation included).
+Generation device-seconds are the engines' busy time between two steps
+(validation generation included). A run that trains alone has that time to
+itself; LoRA runs that share the engines (`RunSpec.shares_deployed_base`) are
+each charged their share of it by tokens: the tokens the run generated over
+the tokens the engines generated meanwhile (`trainer.engine_idle`). Learner
+seconds are the run's own calls' (runs sharing the learner's workers take
+turns), times its ranks.
 """
 
 from __future__ import annotations

@@ -78,16 +78,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ..., replica_id: _Optional[str] = ..., engine_seconds: _Optional[float] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ...) -> None: ...
 
 class EngineActivity(_message.Message):
-    __slots__ = ("uptime_s", "idle_s", "paused_s", "requests_running")
+    __slots__ = ("uptime_s", "idle_s", "paused_s", "requests_running", "generated_tokens")
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
     PAUSED_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     uptime_s: float
     idle_s: float
     paused_s: float
     requests_running: int
-    def __init__(self, uptime_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., requests_running: _Optional[int] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, uptime_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., requests_running: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version", "store_name", "safetensors_path", "force", "in_flight", "run_id", "shared_base")

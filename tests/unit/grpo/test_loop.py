@@ -97,10 +97,13 @@ def test_recovery_budget_counts_recoveries_in_a_row():
 
 
 def test_engine_idle_fraction_counts_replicas_seen_at_both_marks():
-    assert engine_idle({"a": (10.0, 2.0, 1.0)}, {}) == {}  # nothing to compare with yet
-    assert engine_idle({"a": (20.0, 3.0, 1.5), "b": (5.0, 5.0, 0.0)}, {"a": (10.0, 2.0, 1.0)}) == {
+    assert engine_idle({"a": (10.0, 2.0, 1.0, 0.0)}, {}) == {}  # nothing to compare with yet
+    seen, before = {"a": (20.0, 3.0, 1.5, 500.0), "b": (5.0, 5.0, 0.0, 0.0)}, {"a": (10.0, 2.0, 1.0, 100.0)}
+    assert engine_idle(seen, before) == {
         "engine/idle_fraction": 0.1, "engine/paused_fraction": 0.05,
         "usage/generation_device_s": 9.0}  # b is new; busy = 10 s up - 1 s idle
+    # A run sharing the engines is charged its token share: 100 of the 400 tokens generated meanwhile.
+    assert engine_idle(seen, before, own_tokens=100.0)["usage/generation_device_s"] == 2.25
 
 
 @pytest.mark.parametrize("cluster, field", [
