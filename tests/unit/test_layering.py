@@ -101,6 +101,7 @@ RAY_ALLOWED = {
     "rlserve.weights.fleet": "the fleet mailbox actor (membership, weight-transfer commands)",
     "rlserve.learner.publisher": "the learner's sender: buckets into the object store, commands to the fleet",
     "rlserve.rollout.follower": "a rollout replica's follower: fetches publications from the object store",
+    "rlserve.rollout.adapters": "a rollout replica's table of runs' adapters: fetches them from the object store",
     "rlserve.bundle.check": "checks an offline install: that Ray imports and its binaries are executable",
 }
 

@@ -1,0 +1,141 @@
+"""Two LoRA runs at once on one cluster against each run alone, in one benchmark run (issue 22).
+
+The demo task (reversed 2-digit addition) from one start point: the demo's SFT warm start, made
+on a first cluster and then deployed as the rollout's model on a second one (the base both LoRA
+runs adapt, so they share the engines and the learner's frozen base). Run A and run B (LoRA rank 16
+on every linear layer, and rank 8 on attention only, other seeds) train `--steps` steps each:
+A alone, B alone, then A and B submitted together. Reported per run: held-out reward at its end,
+trajectories trained per second (first to last STEP event), and for the pair the combined rate
+against one run alone and the ratio of the two runs' rates.
+
+    .venv/bin/python scripts/bench/concurrent_lora.py [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench.common import record, table  # noqa: E402
+from scripts.bench.curves import load_example, warm_start_spec  # noqa: E402
+
+RUNS = {"A": ({"dim": 16, "alpha": 32, "target_modules": [], "match_all_linear": True}, 1),
+        "B": ({"dim": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+               "match_all_linear": False}, 2)}
+
+
+def lora_spec(name: str, start: Path, steps: int) -> dict:
+    lora, seed = RUNS[name]
+    spec = copy.deepcopy(load_example("grpo_addition_lora.yaml"))
+    spec["name"] = f"concurrent-{name.lower()}"
+    spec["sft"] = {"enabled": False}
+    spec["policy"]["model_name"] = str(start)
+    spec["policy"]["dtensor_cfg"] = {"lora_cfg": {"enabled": True, **lora}}
+    spec["grpo"].update({"max_num_steps": steps, "val_period": steps, "seed": seed})
+    spec["data"]["seed"] = seed
+    spec["checkpointing"] = {"enabled": False}
+    return spec
+
+
+def cluster_file(root: Path, rollout_model: str | None) -> Path:
+    import yaml
+
+    from rlserve.cluster.config import default_cluster_file
+
+    data = yaml.safe_load(default_cluster_file().read_text())
+    data.update({"ray_port": 6784, "grpc_port": 9304, "runs_dir": str(root / "runs"),
+                 "model_dirs": [str(root / "models")], "data_dirs": [str(root / "data")], "max_concurrent_runs": 2})
+    if rollout_model is not None:
+        rollout = data["services"]["rollout"]
+        rollout["args"].update({"model": rollout_model, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16})
+        data["services"]["reference"]["args"]["model"] = rollout_model
+    path = root / ("cluster_lora.yaml" if rollout_model else "cluster.yaml")
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def summarise(client, run_id: str, label: str) -> dict:  # noqa: ANN001 - a CoordinatorClient
+    from rlserve.v1 import coordinator_pb2 as pb
+
+    run = client.get(run_id)
+    if run.state != pb.RUN_STATE_SUCCEEDED:
+        raise SystemExit(f"{run_id} ended {pb.RunState.Name(run.state)}: {run.error}")
+    events = list(client.watch(run_id))
+    steps = [ev for ev in events if ev.kind == pb.EVENT_KIND_STEP]
+    vals = [ev.metrics["val/reward"] for ev in events if ev.kind == pb.EVENT_KIND_VALIDATION
+            and "val/reward" in ev.metrics]
+    trajectories = sum(ev.metrics.get("batch/trajectories_trained", 0.0) for ev in steps)
+    wall = steps[-1].time_unix - steps[0].time_unix
+    return {"phase": label, "run": run_id, "val_start": vals[0], "val_end": vals[-1], "steps": len(steps),
+            "trajectories": trajectories, "first_step": steps[0].time_unix, "last_step": steps[-1].time_unix,
+            "trajectories_per_s": trajectories * (len(steps) - 1) / len(steps) / max(wall, 1e-9)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+
+    import yaml
+
+    from rlserve.clients.coordinator import CoordinatorClient
+    from rlserve.cluster.config import load_cluster_file
+    from rlserve.cluster.lifecycle import Cluster, down, up
+
+    root = Path(tempfile.mkdtemp(prefix="rlserve-concurrent-"))
+    (root / "models").mkdir()
+    start = root / "models" / "start"
+    cluster = Cluster(*load_cluster_file(cluster_file(root, None)))
+    up(cluster)
+    try:
+        with CoordinatorClient(cluster.grpc_endpoint) as client:
+            run = client.submit(yaml.safe_dump(warm_start_spec("addition", root / "data")))
+            list(client.watch(run.run_id))
+            shutil.copytree(root / "runs" / run.run_id / "sft_model", start)
+    finally:
+        down(cluster)
+    print(f"start point: {start}", flush=True)
+
+    cluster = Cluster(*load_cluster_file(cluster_file(root, str(start))))
+    up(cluster)
+    rows = []
+    try:
+        with CoordinatorClient(cluster.grpc_endpoint) as client:
+            for name in RUNS:
+                run = client.submit(yaml.safe_dump(lora_spec(name, start, args.steps)), run_id=f"alone-{name}")
+                list(client.watch(run.run_id))
+                rows.append(summarise(client, run.run_id, f"{name} alone"))
+                print(f"  {rows[-1]}", flush=True)
+            t0 = time.time()
+            together = [client.submit(yaml.safe_dump(lora_spec(name, start, args.steps)), run_id=f"together-{name}")
+                        for name in RUNS]
+            for run in together:
+                list(client.watch(run.run_id))
+            for name, run in zip(RUNS, together):
+                rows.append(summarise(client, run.run_id, f"{name} together"))
+                print(f"  {rows[-1]}", flush=True)
+    finally:
+        down(cluster)
+    alone = {r["phase"][0]: r for r in rows if r["phase"].endswith("alone")}
+    pair = [r for r in rows if r["phase"].endswith("together")]
+    span = max(r["last_step"] for r in pair) - min(r["first_step"] for r in pair)
+    combined = sum(r["trajectories"] for r in pair) / span
+    summary = {"phase": "A and B together", "trajectories_per_s": combined,
+               "vs_one_alone": combined / (sum(r["trajectories_per_s"] for r in alone.values()) / len(alone)),
+               "rate_ratio_b_to_a": pair[1]["trajectories_per_s"] / pair[0]["trajectories_per_s"],
+               "wall_s": time.time() - t0}
+    print(table(rows, ["phase", "val_start", "val_end", "steps", "trajectories_per_s"]))
+    print(table([summary], ["phase", "trajectories_per_s", "vs_one_alone", "rate_ratio_b_to_a"]))
+    print("results:", record("concurrent_lora", rows + [summary], vars(args)))
+
+
+if __name__ == "__main__":
+    main()
