@@ -11,7 +11,7 @@
    load in place, resume) for comparison. The stall is the longest gap between B's tokens, against
    the longest gap with no updates at all.
 
-    .venv/bin/python scripts/bench/lora_sharing.py [--preset medium] [--runs 1 2 4]
+    .venv/bin/python scripts/bench/lora_sharing.py [--preset medium] [--runs 1 2 4] [--device cuda --no-stall]
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ def _rss_mib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _spec(rank: int, targets: list[str] | None) -> dict:
+def _spec(rank: int, targets: list[str] | None, precision: str) -> dict:
     lora = {"enabled": True, "dim": rank, "dropout": 0.0}
     if targets:
         lora.update(target_modules=targets, match_all_linear=False)
-    return {"policy": {"dtensor_cfg": {"lora_cfg": lora}, "train_global_batch_size": 8,
+    return {"policy": {"precision": precision, "dtensor_cfg": {"lora_cfg": lora}, "train_global_batch_size": 8,
                        "train_micro_batch_size": 4, "max_total_sequence_length": 96,
                        "generation": {"max_new_tokens": 32}}, "loss_fn": {"reference_policy_kl_penalty": 0.0}}
 
 
-def learner_memory(preset: str, runs: int, shared: bool, out) -> None:
+def learner_memory(preset: str, runs: int, shared: bool, device: str, out) -> None:
     """Build `runs` LoRA backends (ranks 8 and 16, all-linear and q/v only alternate) and step each once."""
     import torch
 
@@ -55,24 +55,32 @@ def learner_memory(preset: str, runs: int, shared: bool, out) -> None:
     from rlserve.training.distributed import init_process_group
 
     torch.set_num_threads(1)
-    init_process_group(0, 1, f"file://{tempfile.mktemp(prefix='rlserve-bench-')}", torch.device("cpu"))
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+    init_process_group(0, 1, f"file://{tempfile.mktemp(prefix='rlserve-bench-')}", dev)
     model = resolve_model(f"preset:{preset}")
+    precision = "bfloat16" if dev.type == "cuda" else "float32"
     start = _rss_mib()
     bases, backends, after = SharedBases(), [], []
     g = torch.Generator().manual_seed(0)
     for i in range(runs):
-        spec = parse_spec(_spec(8 if i % 2 == 0 else 16, None if i % 2 == 0 else ["q_proj", "v_proj"]))
+        spec = parse_spec(_spec(8 if i % 2 == 0 else 16, None if i % 2 == 0 else ["q_proj", "v_proj"], precision))
         share = bases.for_run(("bench",), f"run{i}") if shared else None
-        b = DTensorBackend(spec, model, torch.device("cpu"), None, share)
+        b = DTensorBackend(spec, model, dev, None, share)
         ids = [torch.randint(3, 60, (int(torch.randint(40, 90, (1,), generator=g)),), generator=g).tolist()
                for _ in range(8)]
         batch = TrainBatch.from_sequences(ids, [16] * 8, [float(k % 2) - 0.5 for k in range(8)],
                                           [[-1.0] * (len(x) - 16) for x in ids])
+        t0 = time.perf_counter()
         b.train_step(batch, "grpo")
+        step_s = time.perf_counter() - t0
         backends.append(b)
         after.append(_rss_mib() - start)
-    out.put({"runs": runs, "base": "shared" if shared else "per run", "held_mib": _held_mib(backends),
-             "rss_mib": after[-1]})
+    row = {"runs": runs, "base": "shared" if shared else "per run", "device": device, "preset": preset,
+           "held_mib": _held_mib(backends), "rss_mib": after[-1], "last_step_s": step_s}
+    if dev.type == "cuda":
+        row.update(cuda_allocated_mib=torch.cuda.memory_allocated(dev) / 2**20,
+                   cuda_peak_mib=torch.cuda.max_memory_allocated(dev) / 2**20)
+    out.put(row)
 
 
 def _held_mib(backends: list) -> float:
@@ -89,7 +97,7 @@ def _held_mib(backends: list) -> float:
     return sum(storages.values()) / 2**20
 
 
-def bench_memory(preset: str, counts: list[int]) -> list[dict]:
+def bench_memory(preset: str, counts: list[int], device: str) -> list[dict]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -97,7 +105,7 @@ def bench_memory(preset: str, counts: list[int]) -> list[dict]:
     for shared in (True, False):
         for n in counts:
             q = ctx.Queue()
-            p = ctx.Process(target=learner_memory, args=(preset, n, shared, q))
+            p = ctx.Process(target=learner_memory, args=(preset, n, shared, device, q))
             p.start()
             p.join()
             if p.exitcode != 0:
@@ -197,14 +205,20 @@ def main() -> None:
     ap.add_argument("--runs", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--stall-s", type=float, default=20.0, help="seconds of B's stream per path")
     ap.add_argument("--update-every-s", type=float, default=1.0)
+    ap.add_argument("--device", default="cpu", help="of the learner-memory part (cuda: bf16, GPU memory too)")
+    ap.add_argument("--no-stall", action="store_true", help="the learner-memory part only (no vLLM here)")
     args = ap.parse_args()
-    rows = bench_memory(args.preset, args.runs)
-    with tempfile.TemporaryDirectory() as tmp:
-        rows += bench_stall(args.stall_s, args.update_every_s, Path(tmp))
-    print(table([r for r in rows if r["part"] == "learner memory"], ["runs", "base", "held_mib", "rss_mib"]))
-    print(table([r for r in rows if r["part"] == "B's stall"],
-                ["path", "loads_of_a", "b_tokens", "b_gap_p50_ms", "b_gap_max_ms", "b_gaps_over_100ms"]))
-    print("results:", record("lora_sharing", rows, vars(args)))
+    rows = bench_memory(args.preset, args.runs, args.device)
+    if not args.no_stall:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += bench_stall(args.stall_s, args.update_every_s, Path(tmp))
+    print(table([r for r in rows if r["part"] == "learner memory"],
+                ["runs", "base", "held_mib", "rss_mib", "cuda_allocated_mib", "cuda_peak_mib", "last_step_s"]))
+    if not args.no_stall:
+        print(table([r for r in rows if r["part"] == "B's stall"],
+                    ["path", "loads_of_a", "b_tokens", "b_gap_p50_ms", "b_gap_max_ms", "b_gaps_over_100ms"]))
+    print("results:", record("lora_sharing" if args.device == "cpu" else f"lora_sharing_{args.device}", rows,
+                             vars(args)))
 
 
 if __name__ == "__main__":
