@@ -32,9 +32,10 @@ import ray
 
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine, RunAdapter
-from rlserve.rpc import aborted, invalid_argument, unavailable
+from rlserve.rpc import aborted, invalid_argument
 from rlserve.weights import adapter
 from rlserve.weights.specs import TensorSpec
+from rlserve.weights.store import fetch_tensors
 
 log = logging.getLogger("rlserve.rollout")
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
@@ -102,13 +103,7 @@ class RunAdapters:
             if pub.adapter_config is None:
                 raise invalid_argument("shared_base", f"run {run_id!r} published full weights, not an adapter")
             t0 = time.perf_counter()
-            tensors = {}
-            try:
-                for bucket in await asyncio.gather(*pub.bucket_refs):
-                    tensors.update(bucket)
-            except ray.exceptions.RayError as err:
-                raise unavailable(f"run {run_id!r}: adapter version {pub.version} is no longer in the object "
-                                  f"store: {type(err).__name__}") from None
+            tensors = await fetch_tensors(pub)
             problems = self.check({n: TensorSpec(tuple(t.shape), t.dtype) for n, t in tensors.items()},
                                   pub.adapter_config)
             if problems:

@@ -33,11 +33,11 @@ import torch
 
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine
-from rlserve.rpc import RpcError, failed_precondition, invalid_argument, unavailable
+from rlserve.rpc import RpcError, failed_precondition, invalid_argument
 from rlserve.weights import adapter
 from rlserve.weights.fleet import PUBLISHED, Command, Member
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
-from rlserve.weights.store import Publication
+from rlserve.weights.store import Publication, fetch_tensors
 
 log = logging.getLogger("rlserve.rollout")
 # How long one long poll of the mailbox waits (a member polls again at once; see fleet.MEMBER_LEASE_S).
@@ -281,7 +281,7 @@ class WeightFollower:
             got = checkpoint_specs(pub.safetensors_path)
             tensors = None
         else:
-            tensors = await self._fetch(pub)
+            tensors = await fetch_tensors(pub)
             got = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in tensors.items()}
         problems = self._check(got, pub.adapter_config)
         if problems:
@@ -310,13 +310,3 @@ class WeightFollower:
         else:
             await self.engine.load_weights(list(tensors.items()), pub.version, in_flight)
 
-    @staticmethod
-    async def _fetch(pub: Publication) -> dict[str, torch.Tensor]:
-        tensors: dict[str, Any] = {}
-        try:
-            for bucket in await asyncio.gather(*pub.bucket_refs):
-                tensors.update(bucket)
-        except ray.exceptions.RayError as err:
-            raise unavailable(f"weights of version {pub.version} are no longer in the object store: "
-                              f"{type(err).__name__}") from None
-        return tensors

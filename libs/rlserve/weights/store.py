@@ -22,6 +22,7 @@ publisher that died in between).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,21 @@ class WeightStore:
 
     async def drop_adapter(self, run_id: str) -> bool:
         return self._adapters.pop(run_id, None) is not None
+
+
+async def fetch_tensors(pub: Publication) -> dict[str, Any]:
+    """A publication's tensors from the object store; UNAVAILABLE when they are gone (the learner session
+    that put them ended)."""
+    from rlserve.rpc import unavailable
+
+    tensors: dict[str, Any] = {}
+    try:
+        for bucket in await asyncio.gather(*pub.bucket_refs):
+            tensors.update(bucket)
+    except ray.exceptions.RayError as err:
+        raise unavailable(f"run {pub.run_id!r}: version {pub.version} is no longer in the object store: "
+                          f"{type(err).__name__}") from None
+    return tensors
 
 
 def named_on_head(actor_cls: Any, name: str) -> ray.actor.ActorHandle:
