@@ -3,8 +3,9 @@
 The replica holds the runs' training sessions. A session lives in a worker
 group: a placement group of `cluster.num_workers` bundles and one LearnerWorker
 per bundle, forming a torch.distributed group (gloo on CPU, NCCL on GPU). A
-full-parameter run has a group of its own; LoRA runs on the deployed base
-(`shared_base`) of one worker layout share one group, whose workers hold the
+full-parameter run has a group of its own, and its Configure ends every other
+session (it trains alone); LoRA runs on the deployed base (`shared_base`) of
+one worker layout share one group, whose workers hold the
 frozen base once for all of them. A group's calls take turns, first come first
 served, so runs sharing it alternate steps; a worker that dies takes every
 session of its group with it (each run then restores its own checkpoint).
@@ -231,6 +232,13 @@ class Learner:
         layout = _layout(spec) if request.shared_base else None
         async with self.lock:
             await self._release(request.run_id)
+            # A run that needs the policy alone comes only when no other trains (the coordinator sees to it), and
+            # shared runs never beside one: sessions held against that are stale (a caller that never released
+            # them) and would hold their workers' CPUs and GPUs for good.
+            stale = [r for r, s in self.sessions.items() if layout is None or s.group.layout is None]
+            for run_id in stale:
+                await self._release(run_id)
+                event(log, "learner.stale_session_released", logging.WARNING, run=run_id, for_run=request.run_id)
             t0 = time.perf_counter()
             group = next((g for g in self.groups if layout is not None and g.layout == layout), None)
             if group is None:
