@@ -91,14 +91,15 @@ def cmd_quotas(args: argparse.Namespace) -> int:
                    if name not in {p.name for p in principals}]
     print(f"serve: the `quotas` section of {cluster.cfg.source} (the coordinator re-reads it within ~1 s of an "
           f"edit)", file=sys.stderr)
-    print(f"{'name':<33} {'concurrent':>10} {'queued':>8} {'samples/run':>13}")
+    print(f"{'name':<33} {'concurrent':>10} {'queued':>8} {'samples/run':>13} {'priority':>9}")
     for p in principals:
         limits = cluster.cfg.quotas.limits(p)
         if limits is None:
             print(f"{p.name:<33} not limited (admin)")
         else:
             q = limits.values
-            print(f"{p.name:<33} {q.max_concurrent_runs:>10} {q.max_queued_runs:>8} {q.max_samples_per_run:>13}")
+            print(f"{p.name:<33} {q.max_concurrent_runs:>10} {q.max_queued_runs:>8} {q.max_samples_per_run:>13} "
+                  f"{q.max_priority:>9g}")
     return 0
 
 

@@ -27,6 +27,7 @@ from rlserve.config.section import (
     MAX_LORA_RANK,
     MAX_NAME_CHARS,
     MAX_PATH_CHARS,
+    MAX_PRIORITY,
     MAX_PROMPTS_PER_STEP,
     MAX_ROLLOUT_TURNS,
     MAX_SEED,
@@ -545,6 +546,11 @@ class RunSpec(Section):
     # Part of the run id and of its folder's name.
     name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
     algorithm: Literal[ALGORITHMS] = "grpo"
+    # The run's weight when it shares the cluster with other runs: of the rollout engines' tokens and
+    # the learner's seconds, each run gets its priority over the sum of the priorities of the runs
+    # wanting them (`rlserve.runs.fair_share`). Above 1 only as far as the user's quota
+    # `max_priority` allows.
+    priority: float = Field(1.0, gt=0, le=MAX_PRIORITY)
     policy: PolicyCfg = PolicyCfg()
     grpo: GrpoCfg = GrpoCfg()
     sft: SftCfg = SftCfg()

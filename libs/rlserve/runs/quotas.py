@@ -14,7 +14,10 @@ quota and the cluster-file key that sets it:
 - `max_concurrent_runs`: the user's runs not finished yet (queued or running);
 - `max_queued_runs`: of those, the ones waiting to start;
 - `max_samples_per_run`: `grpo.max_num_steps x grpo.num_prompts_per_step x
-  grpo.num_generations_per_prompt`, the trajectories the run generates.
+  grpo.num_generations_per_prompt`, the trajectories the run generates;
+- `max_priority`: the highest `priority` the user's runs may take in the
+  cluster's fair share (1 by default: every run an equal share; a user may
+  always lower their own).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rlserve.config import RunSpec
+from rlserve.config.section import MAX_PRIORITY
 from rlserve.logs import event
 from rlserve.rpc import RpcError
 from rlserve.security.principal import NAME, Principal
@@ -46,6 +50,7 @@ class QuotaLimits(BaseModel):
     max_concurrent_runs: int = Field(8, ge=1, le=100_000)
     max_queued_runs: int = Field(8, ge=1, le=100_000)
     max_samples_per_run: int = Field(100_000_000, ge=1)
+    max_priority: float = Field(1.0, gt=0, le=MAX_PRIORITY)
 
 
 class UserQuota(BaseModel):
@@ -56,6 +61,7 @@ class UserQuota(BaseModel):
     max_concurrent_runs: int | None = Field(None, ge=1, le=100_000)
     max_queued_runs: int | None = Field(None, ge=1, le=100_000)
     max_samples_per_run: int | None = Field(None, ge=1)
+    max_priority: float | None = Field(None, gt=0, le=MAX_PRIORITY)
 
 
 class QuotasCfg(BaseModel):
@@ -164,6 +170,9 @@ class Quotas:
         if size > q.max_samples_per_run:
             raise _exhausted(f"quota max_samples_per_run ({limits.key('max_samples_per_run')}) is "
                              f"{q.max_samples_per_run}: spec_yaml: {how}")
+        if spec.priority > q.max_priority:
+            raise _exhausted(f"quota max_priority ({limits.key('max_priority')}) is {q.max_priority:g}: "
+                             f"spec_yaml: priority is {spec.priority:g}")
 
 
 def _exhausted(message: str) -> RpcError:

@@ -54,7 +54,7 @@ def test_quotas_reach_the_coordinator_with_the_file_that_holds_them(tmp_path):
     cfg, runs = load_cluster_file(path)
     coordinator = next(a["args"] for a in serve_config(cfg, runs)["applications"] if a["name"] == "coordinator")
     assert coordinator["quotas"] == {"default": {"max_concurrent_runs": 8, "max_queued_runs": 3,
-                                                 "max_samples_per_run": 100_000_000},
+                                                 "max_samples_per_run": 100_000_000, "max_priority": 1.0},
                                      "users": {"bob": {"max_concurrent_runs": 1}}}
     assert coordinator["cluster_file"] == str(path)  # the coordinator re-reads its quotas there
     path.write_text(yaml.safe_dump({"quotas": {"users": {"Not A Name": {}}}}))
@@ -64,7 +64,8 @@ def test_quotas_reach_the_coordinator_with_the_file_that_holds_them(tmp_path):
     with pytest.raises(SpecError) as err:
         load_cluster_file(path)
     assert err.value.problems[0].startswith("quotas.users.bob.max_runs: unknown key")
-    assert err.value.problems[0].endswith("(allowed here: max_concurrent_runs, max_queued_runs, max_samples_per_run)")
+    assert err.value.problems[0].endswith("(allowed here: max_concurrent_runs, max_priority, max_queued_runs, "
+                                             "max_samples_per_run)")
 
 
 def test_cluster_file_errors_name_the_key(tmp_path):

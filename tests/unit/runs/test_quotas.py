@@ -80,3 +80,17 @@ def test_without_a_cluster_file_the_deployed_quotas_hold(tmp_path):
     quotas = Quotas(QuotasCfg.model_validate({"default": {"max_concurrent_runs": 1}}), None)
     assert "max_concurrent_runs" in _code(lambda: quotas.check_submit(BOB, SPEC, unfinished=1, queued=0))
     assert _code(lambda: quotas.check_submit(ROOT, SPEC, unfinished=100, queued=100)) == "ok"
+
+
+def test_priority_just_under_and_just_over_the_quota():
+    quotas = Quotas(QuotasCfg.model_validate({"users": {"carol": {"max_priority": 2.5}}}), None)
+    carol = Principal("carol", Role.USER)
+    spec = SPEC.model_copy(update={"priority": 2.5})
+    assert _code(lambda: quotas.check_submit(carol, spec, unfinished=0, queued=0)) == "ok"
+    over = SPEC.model_copy(update={"priority": 2.6})
+    assert _code(lambda: quotas.check_submit(carol, over, unfinished=0, queued=0)) == (
+        "quota max_priority (quotas.users.carol.max_priority) is 2.5: spec_yaml: priority is 2.6")
+    # By default every run takes one share: more needs the operator's say, less is anyone's choice.
+    assert "quotas.default.max_priority) is 1:" in _code(lambda: quotas.check_submit(ALICE, spec, 0, 0))
+    assert _code(lambda: quotas.check_submit(ALICE, SPEC.model_copy(update={"priority": 0.5}), 0, 0)) == "ok"
+    assert _code(lambda: quotas.check_submit(ROOT, over, 0, 0)) == "ok"  # an admin without an entry
