@@ -6,9 +6,11 @@ per bundle, forming a torch.distributed group (gloo on CPU, NCCL on GPU). A
 full-parameter run has a group of its own, and its Configure ends every other
 session (it trains alone); LoRA runs on the deployed base (`shared_base`) of
 one worker layout share one group, whose workers hold the
-frozen base once for all of them. A group's calls take turns, first come first
-served, so runs sharing it alternate steps; a worker that dies takes every
-session of its group with it (each run then restores its own checkpoint).
+frozen base once for all of them. A group's calls take turns: each run gets its
+priority's share of the group's seconds (`rlserve.runs.fair_share`), so a run
+with 10x longer sequences does not take 10x the learner; a worker that dies
+takes every session of its group with it (each run then restores its own
+checkpoint).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from rlserve.learner.publisher import Published
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument
+from rlserve.runs.fair_share import FairShare
 from rlserve.security.paths import PathsArgs
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2
@@ -64,15 +69,25 @@ class LearnerArgs(BaseModel):
 class WorkerGroup:
     """One worker per rank in a placement group, forming one torch.distributed group. A full-parameter run
     (or a LoRA run on its own base) has its own; LoRA runs on the deployed base of one layout share one.
-    Its runs' calls take turns under `lock` (first come, first served), each issued to every rank in
-    one order, so the ranks' collectives match."""
+    Its runs' calls take turns (`turns`: one at a time, each run its priority's share of the seconds),
+    each issued to every rank in one order, so the ranks' collectives match."""
 
     layout: tuple | None  # the shared group's worker layout; None: one run's own group
     pg: object
     workers: list
     rendezvous: Path
     runs: set[str] = field(default_factory=set)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    turns: FairShare = field(default_factory=lambda: FairShare(1, exclusive=True))
+
+    @asynccontextmanager
+    async def turn(self, run_id: str, priority: float) -> AsyncIterator[None]:
+        """The group to the run alone until the block ends, charged the seconds it took."""
+        grant = await self.turns.acquire(run_id, priority)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.turns.release(grant, time.perf_counter() - t0)
 
 
 @dataclass
@@ -154,9 +169,9 @@ class Learner:
             raise
 
     async def _call(self, session: Session, method: str, *args) -> list:
-        """`method` on every rank of the session's group, after the group's earlier calls."""
+        """`method` on every rank of the session's group, in the run's turn."""
         group = session.group
-        async with group.lock:
+        async with group.turn(session.run_id, session.spec.priority):
             if session.run_id not in group.runs:
                 raise aborted(f"the training session of run {session.run_id!r} is gone (its group's worker died)")
             return await self._all(group, [getattr(w, method).remote(session.run_id, *args) for w in group.workers])
@@ -212,7 +227,7 @@ class Learner:
         if group.runs == {run_id}:
             self._teardown(group)
         else:
-            async with group.lock:
+            async with group.turn(run_id, session.spec.priority):
                 await self._all(group, [w.release.remote(run_id) for w in group.workers])
             group.runs.discard(run_id)
         return True
@@ -244,7 +259,7 @@ class Learner:
             if group is None:
                 group = await self._new_group(spec, layout)
             session = Session(request.run_id, spec, group)
-            async with group.lock:
+            async with group.turn(request.run_id, spec.priority):
                 group.runs.add(request.run_id)
                 self.sessions[request.run_id] = session
                 try:

@@ -1,7 +1,9 @@
 """The rollout Serve application: `rlserve.v1.Rollout` over a vLLM or transformers engine.
 
 A replica serves many requests at once (vLLM's AsyncLLM schedules them;
-the transformers engine takes them in turn). New weights arrive while they
+the transformers engine takes them in turn). Runs sharing it get their
+priority's share of its sequences, counted in tokens
+(`rlserve.runs.fair_share`). New weights arrive while they
 run: straight from the learner through vLLM's weight-transfer API, or from
 the weight store (`rlserve.rollout.follower`). Each sample names the weight
 versions that generated its tokens.
@@ -17,6 +19,7 @@ from pydantic import Field
 from ray import serve
 
 from rlserve.cluster.deployment import assigned_device, build_app
+from rlserve.config.section import MAX_PRIORITY
 from rlserve.config.spec import MAX_GENERATIONS_PER_PROMPT
 from rlserve.cpu_affinity import pin_from_env
 from rlserve.logs import event, setup_logging
@@ -26,6 +29,7 @@ from rlserve.rollout.adapters import RunAdapters
 from rlserve.rollout.follower import WeightFollower
 from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, RunAdapter, SamplingSpec
 from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
+from rlserve.runs.fair_share import FairShare
 from rlserve.security.paths import PathsArgs
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.fleet import get_fleet
@@ -92,6 +96,7 @@ class Rollout:
         specs = checkpoint_specs(model_path)
         self.fingerprint = fingerprint(specs)
         self.info = self.engine.info()
+        self.share = FairShare(self.engine.max_running_sequences)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.weights = WeightFollower(get_store(self.args.weight_store), get_fleet(self.args.weight_store),
                                       self.engine, specs, self.replica_id, self.args.weight_transfer_timeout_s,
@@ -138,6 +143,8 @@ class Rollout:
         sampling = sampling_from_proto(request.sampling)
         if not 0 <= request.num_samples <= self.args.max_samples:
             raise invalid_argument("num_samples", f"must be in 0..{self.args.max_samples}, got {request.num_samples}")
+        if not 0 <= request.priority <= MAX_PRIORITY:
+            raise invalid_argument("priority", f"must be in (0, {MAX_PRIORITY:g}] (0: 1), got {request.priority}")
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
         if request.shared_base:
@@ -153,7 +160,7 @@ class Rollout:
             # publish them again, which retrying this call cannot do.
             raise aborted(f"weight version {request.min_weight_version} is not published (this replica "
                           f"serves {version})")
-        return await self._generate(prompts, n, sampling, None)
+        return await self._generate(request, prompts, n, sampling, None)
 
     async def _generate_with_run_adapter(self, request: rollout_pb2.GenerateRequest, prompts: list[list[int]],
                                          n: int, sampling: SamplingSpec) -> rollout_pb2.GenerateResponse:
@@ -164,17 +171,27 @@ class Rollout:
             raise invalid_argument("run_id", "required with shared_base")
         ref = await self.adapters.acquire(request.run_id, request.min_weight_version)
         try:
-            return await self._generate(prompts, n, sampling, ref)
+            return await self._generate(request, prompts, n, sampling, ref)
         finally:
             await self.adapters.release(ref)
 
-    async def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
-                        adapter: RunAdapter | None) -> rollout_pb2.GenerateResponse:
+    async def _generate(self, request: rollout_pb2.GenerateRequest, prompts: list[list[int]], n: int,
+                        sampling: SamplingSpec, adapter: RunAdapter | None) -> rollout_pb2.GenerateResponse:
+        """In the run's turn: a request is charged its prompt tokens and the tokens it generates (an estimate
+        of n x max_new_tokens per prompt while it runs)."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        units = len(prompts) * n
+        turn = await self.share.acquire(request.run_id, request.priority or 1.0, units,
+                                        prompt_tokens + units * sampling.max_new_tokens)
+        used = prompt_tokens
         t0 = time.perf_counter()
         try:
             outputs = await self.engine.generate(prompts, n, sampling, adapter)
+            used += sum(len(s.token_ids) for samples in outputs for s in samples)
         except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
             raise invalid_argument("sampling", str(err)) from None
+        finally:
+            self.share.release(turn, used)
         engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[

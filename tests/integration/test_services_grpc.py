@@ -61,6 +61,12 @@ def test_rollout_over_grpc(channel):
     (gen_request(prompts=([999],)), "prompts[0].token_ids"),
     (gen_request(top_p=2.0), "sampling.top_p"),
     (rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="1+1=")]), "sampling.max_new_tokens"),
+    (rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="1+1=")], priority=-1,
+                                 sampling=common_pb2.SamplingParams(max_new_tokens=4)), "priority"),
+    (rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="1+1=")], priority=101,
+                                 sampling=common_pb2.SamplingParams(max_new_tokens=4)), "priority"),
+    (rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="1+1=")], shared_base=True,
+                                 sampling=common_pb2.SamplingParams(max_new_tokens=4)), "run_id"),
 ])
 def test_rollout_rejects_bad_requests(channel, request_, field):
     stub = rollout_pb2_grpc.RolloutStub(channel)
@@ -68,6 +74,19 @@ def test_rollout_rejects_bad_requests(channel, request_, field):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details().startswith(field + ":")
     assert stub.GetInfo(rollout_pb2.GetInfoRequest()).engine == "vllm"
+
+
+@pytest.mark.parametrize("request_, field", [
+    (rollout_pb2.UpdateWeightsRequest(shared_base=True, store_name="rlserve-weights"), "run_id"),
+    (rollout_pb2.UpdateWeightsRequest(shared_base=True, run_id="alice.r", store_name="other"), "store_name"),
+    (rollout_pb2.UpdateWeightsRequest(shared_base=True, run_id="alice.r", safetensors_path="/tmp"), "store_name"),
+])
+def test_rollout_rejects_bad_run_adapter_updates(channel, request_, field):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    err = status_of(lambda: stub.UpdateWeights(request_))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(field + ":")
+    assert stub.GetInfo(rollout_pb2.GetInfoRequest()).lora_enabled
 
 
 def test_rollout_through_a_handle(ray_driver):

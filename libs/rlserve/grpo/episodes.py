@@ -176,7 +176,8 @@ class EpisodeRunner:
         params.max_new_tokens = min(params.max_new_tokens, room)
         req = rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=tokens))],
                                           num_samples=1, sampling=params, min_weight_version=self.min_version,
-                                          run_id=self.inputs.run_id, shared_base=self.spec.shares_deployed_base)
+                                          run_id=self.inputs.run_id, shared_base=self.spec.shares_deployed_base,
+                                          priority=self.spec.priority)
         t0 = time.perf_counter()
         resp = await self.services.generate(req)
         record_generate(resp, time.perf_counter() - t0, self.timings)

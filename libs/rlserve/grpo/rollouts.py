@@ -70,7 +70,7 @@ async def generate(services: RunServices, inputs: RunInputs, prompts: list[list[
     req = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in prompts], num_samples=n,
         sampling=sampling_params(inputs.spec, greedy, seed, inputs.tok.eos_ids), min_weight_version=min_version,
-        run_id=inputs.run_id, shared_base=inputs.spec.shares_deployed_base)
+        run_id=inputs.run_id, shared_base=inputs.spec.shares_deployed_base, priority=inputs.spec.priority)
     t0 = time.perf_counter()
     resp = await services.generate(req)
     record_generate(resp, time.perf_counter() - t0, timings)

@@ -156,6 +156,9 @@ class RolloutEngine(ABC):
     # and how many ranks (workers) the engine brings to a transfer.
     transfer_backend: str | None = None
     num_transfer_workers: int = 1
+    # Sequences the engine generates at once (vLLM's max_num_seqs; 1 for an engine that takes one
+    # request at a time): the capacity runs share fairly (`rlserve.runs.fair_share`).
+    max_running_sequences: int = 1
 
     @abstractmethod
     async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,

@@ -96,6 +96,7 @@ class VllmEngine(RolloutEngine):
         self.cfg = cfg
         self.transfer_backend = None if cfg.weight_transfer == "none" else cfg.weight_transfer
         self.num_transfer_workers = cfg.tensor_parallel_size
+        self.max_running_sequences = cfg.max_num_seqs
         self.llm = self._start(cfg.model_path)
         self._tokenizer = self.llm.get_tokenizer()
         self._vocab_size = self.llm.model_config.get_vocab_size()

@@ -18,7 +18,8 @@ A run alone goes straight through: with no other run present or recently seen
 (`linger_s`), every request starts at once (the resource's own queue orders
 them), so one run trains exactly as it would without this. The linger keeps a
 run whose requests all ended a moment ago from being taken as gone, which
-would let the other run flood the resource in that moment.
+would let the other run flood the resource in that moment. An `exclusive`
+resource (a learner group: one call at a time) lets nobody through that way.
 """
 
 from __future__ import annotations
@@ -68,10 +69,10 @@ class FairShare:
     runs in proportion to their weights, counting what each request used. A request larger than the
     capacity starts when nothing else runs."""
 
-    def __init__(self, capacity: int, linger_s: float = 2.0):
+    def __init__(self, capacity: int, linger_s: float = 2.0, exclusive: bool = False):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity, self.linger_s = capacity, linger_s
+        self.capacity, self.linger_s, self.exclusive = capacity, linger_s, exclusive
         self._runs: dict[str, _Run] = {}
         self._units = 0  # units of the requests running
         # The system's virtual time: the start (the run's virtual time before the charge) of the last
@@ -125,7 +126,7 @@ class FairShare:
             run = self._runs[run_id]
             waiter = run.waiting[0]
             now = time.monotonic()
-            alone = all(r is run or not self._seen(r, now) for r in self._runs.values())
+            alone = not self.exclusive and all(r is run or not self._seen(r, now) for r in self._runs.values())
             if not (alone or self._units == 0 or self._units + waiter.units <= self.capacity):
                 return
             run.waiting.popleft()

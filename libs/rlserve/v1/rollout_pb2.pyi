@@ -16,20 +16,22 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base")
+    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base", "priority")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     num_samples: int
     sampling: _common_pb2.SamplingParams
     min_weight_version: int
     run_id: str
     shared_base: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ...) -> None: ...
+    priority: float
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ..., priority: _Optional[float] = ...) -> None: ...
 
 class VersionRun(_message.Message):
     __slots__ = ("version", "start", "end")

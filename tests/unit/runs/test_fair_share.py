@@ -147,3 +147,15 @@ def test_a_cancelled_wait_leaves_no_trace():
 def test_weights_out_of_range_are_refused(weight):
     with pytest.raises(ValueError, match="weight"):
         asyncio.run(FairShare(1).acquire("a", weight))
+
+
+def test_an_exclusive_resource_runs_one_request_at_a_time_even_for_a_run_alone():
+    async def main():
+        share = FairShare(1, exclusive=True)
+        first = await share.acquire("solo", 1.0)
+        second = asyncio.create_task(share.acquire("solo", 1.0))
+        await asyncio.sleep(0.01)
+        assert not second.done()
+        share.release(first, 0.5)
+        share.release(await asyncio.wait_for(second, 1), 0.5)
+    asyncio.run(main())
