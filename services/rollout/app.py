@@ -3,7 +3,7 @@
 A replica serves many requests at once (vLLM's AsyncLLM schedules them;
 the transformers engine takes them in turn). Runs sharing it get their
 priority's share of its sequences, counted in tokens
-(`rlserve.runs.fair_share`). New weights arrive while they
+(`rlserve.rollout.fair_generation`). New weights arrive while they
 run: straight from the learner through vLLM's weight-transfer API, or from
 the weight store (`rlserve.rollout.follower`). Each sample names the weight
 versions that generated its tokens.
@@ -26,10 +26,10 @@ from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
 from rlserve.rollout.adapters import RunAdapters
+from rlserve.rollout.fair_generation import FairGeneration
 from rlserve.rollout.follower import WeightFollower
 from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, RunAdapter, SamplingSpec
 from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
-from rlserve.runs.fair_share import FairShare
 from rlserve.security.paths import PathsArgs
 from rlserve.v1 import common_pb2, rollout_pb2
 from rlserve.weights.fleet import get_fleet
@@ -96,7 +96,7 @@ class Rollout:
         specs = checkpoint_specs(model_path)
         self.fingerprint = fingerprint(specs)
         self.info = self.engine.info()
-        self.share = FairShare(self.engine.max_running_sequences)
+        self.generation = FairGeneration(self.engine)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.weights = WeightFollower(get_store(self.args.weight_store), get_fleet(self.args.weight_store),
                                       self.engine, specs, self.replica_id, self.args.weight_transfer_timeout_s,
@@ -177,21 +177,12 @@ class Rollout:
 
     async def _generate(self, request: rollout_pb2.GenerateRequest, prompts: list[list[int]], n: int,
                         sampling: SamplingSpec, adapter: RunAdapter | None) -> rollout_pb2.GenerateResponse:
-        """In the run's turn: a request is charged its prompt tokens and the tokens it generates (an estimate
-        of n x max_new_tokens per prompt while it runs)."""
-        prompt_tokens = sum(len(p) for p in prompts)
-        units = len(prompts) * n
-        turn = await self.share.acquire(request.run_id, request.priority or 1.0, units,
-                                        prompt_tokens + units * sampling.max_new_tokens)
-        used = prompt_tokens
         t0 = time.perf_counter()
         try:
-            outputs = await self.engine.generate(prompts, n, sampling, adapter)
-            used += sum(len(s.token_ids) for samples in outputs for s in samples)
+            outputs = await self.generation.generate(request.run_id, request.priority or 1.0, prompts, n, sampling,
+                                                     adapter)
         except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
             raise invalid_argument("sampling", str(err)) from None
-        finally:
-            self.share.release(turn, used)
         engine_seconds = time.perf_counter() - t0
         completions = [
             rollout_pb2.Completion(prompt_token_ids=ids, samples=[
