@@ -19,6 +19,7 @@ from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.models import resolve_model
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import rollout_pb2, rollout_pb2_grpc
+from tests.integration.conftest import plugin
 from tests.integration.runs_support import assert_records_agree, events_until_end, metric_events, spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,12 +78,19 @@ def test_a_lora_run_sends_adapters_only_and_ends_with_a_peft_adapter(client, cha
 
 
 def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, channel):
+    """A third LoRA run beside them, whose reward plug-in raises on every item, fails alone."""
     first = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=4), run_id="itest-lora-a")
     second = client.submit(spec(policy__dtensor_cfg=lora(dim=4, target_modules=["q_proj", "v_proj"],
                                                          match_all_linear=False), grpo__max_num_steps=4),
                            run_id="itest-lora-b")
+    broken = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=2, checkpointing__enabled=False,
+                                reward__functions=[{"name": "broken", "import_path": plugin("broken")}]),
+                           run_id="itest-lora-broken")
     full = client.submit(spec(grpo__max_num_steps=1), run_id="itest-after-lora")
     runs = {r: events_until_end(client, r, timeout_s=600) for r in (first.run_id, second.run_id, full.run_id)}
+    failed = client.get(broken.run_id)
+    assert failed.state == pb.RUN_STATE_FAILED and failed.error.startswith("the run trained nothing")
+    assert_records_agree(failed, events_until_end(client, broken.run_id))
     steps = {}
     for run_id, events in runs.items():
         run = client.get(run_id)
