@@ -8,9 +8,14 @@ session (it trains alone); LoRA runs on the deployed base (`shared_base`) of
 one worker layout share one group, whose workers hold the
 frozen base once for all of them. A group's calls take turns: each run gets its
 priority's share of the group's seconds (`rlserve.runs.fair_share`), so a run
-with 10x longer sequences does not take 10x the learner; a worker that dies
-takes every session of its group with it (each run then restores its own
-checkpoint).
+with 10x longer sequences does not take 10x the learner.
+
+A worker that dies in a run's own group takes its session (the run restores
+its own checkpoint). A shared group heals instead: each run's trained state
+(adapters, optimizer, random state: small) is snapshotted after every change,
+so new workers are started, every run is configured again and restored, and
+the call that met the death is retried; the runs go on where they were. A call
+that kills the workers twice loses its run's session alone.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -99,6 +105,19 @@ class Session:
     # (version before, response) of the last step, to answer a retried step without training twice.
     last_step: tuple[int, learner_pb2.TrainStepResponse] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the run's calls one at a time (a retry waits)
+    # In a shared group: the workers' configure arguments after the run id, and two snapshot folders
+    # written in turn (a death while writing one leaves the other whole); `snapshot` is the last whole.
+    configure_args: tuple = ()
+    snapshots: tuple[Path, Path] | None = None
+    snapshot: int = -1
+
+    def drop_snapshots(self) -> None:
+        if self.snapshots:
+            shutil.rmtree(self.snapshots[0].parent, ignore_errors=True)
+
+
+# Calls after which a shared run's trained state is snapshotted (in the same turn).
+_CHANGES_STATE = frozenset({"train_step", "load_checkpoint"})
 
 
 def _layout(spec: RunSpec) -> tuple:
@@ -138,12 +157,15 @@ class Learner:
         """The group's workers and resources go, and with them every session in it."""
         for w in group.workers:
             ray.kill(w)
-        remove_placement_group(group.pg)
+        if group.pg is not None:
+            remove_placement_group(group.pg)
         group.rendezvous.unlink(missing_ok=True)
         if group in self.groups:
             self.groups.remove(group)
         for run_id in group.runs:
-            self.sessions.pop(run_id, None)
+            session = self.sessions.pop(run_id, None)
+            if session is not None:
+                session.drop_snapshots()
         group.runs.clear()
 
     def _require(self, run_id: str) -> Session:
@@ -153,28 +175,101 @@ class Learner:
                           f"worker died or the replica restarted); call Configure and restore a checkpoint")
         return session
 
-    async def _all(self, group: WorkerGroup, refs: list) -> list:
+    @staticmethod
+    async def _ranks(group: WorkerGroup, run_id: str, method: str, *args) -> list:
+        """`method` on every rank; a worker's death comes out as RayActorError."""
         try:
-            return await asyncio.gather(*refs)
-        except ray.exceptions.RayActorError as err:
-            lost = sorted(group.runs)
-            self._teardown(group)
-            event(log, "learner.worker_died", logging.WARNING, runs=lost, error=err.__class__.__name__)
-            raise aborted(f"a learner worker died ({err.__class__.__name__}); the training sessions of its group "
-                          f"({', '.join(lost)}) are gone: call Configure and restore a checkpoint") from None
+            return await asyncio.gather(*[getattr(w, method).remote(run_id, *args) for w in group.workers])
         except ray.exceptions.RayTaskError as err:
             cause = err.cause if isinstance(err.cause, Exception) else err
             if isinstance(cause, (ValueError, SpecError)):
                 raise invalid_argument("request", str(cause).splitlines()[0]) from None
             raise
 
+    def _lost(self, group: WorkerGroup, err: Exception) -> RpcError:
+        """The group and its sessions are gone: the error to answer with."""
+        lost = sorted(group.runs)
+        self._teardown(group)
+        event(log, "learner.worker_died", logging.WARNING, runs=lost, error=err.__class__.__name__)
+        return aborted(f"a learner worker died ({err.__class__.__name__}); the training sessions of its group "
+                       f"({', '.join(lost)}) are gone: call Configure and restore a checkpoint")
+
+    async def _all(self, group: WorkerGroup, run_id: str, method: str, *args) -> list:
+        """`method` on every rank; a worker's death ends the group and its sessions."""
+        try:
+            return await self._ranks(group, run_id, method, *args)
+        except ray.exceptions.RayActorError as err:
+            raise self._lost(group, err) from None
+
     async def _call(self, session: Session, method: str, *args) -> list:
-        """`method` on every rank of the session's group, in the run's turn."""
+        """`method` on every rank of the session's group, in the run's turn (in a shared group, healed and
+        retried once if a worker dies, then the run's trained state snapshotted if it changed)."""
         group = session.group
         async with group.turn(session.run_id, session.spec.priority):
-            if session.run_id not in group.runs:
-                raise aborted(f"the training session of run {session.run_id!r} is gone (its group's worker died)")
-            return await self._all(group, [getattr(w, method).remote(session.run_id, *args) for w in group.workers])
+            for attempt in (1, 2):
+                if session.run_id not in group.runs:
+                    raise aborted(f"the training session of run {session.run_id!r} is gone (its group's worker "
+                                  f"died)")
+                try:
+                    results = await self._ranks(group, session.run_id, method, *args)
+                    if method in _CHANGES_STATE:
+                        await self._snapshot(session)
+                    return results
+                except ray.exceptions.RayActorError as err:
+                    if group.layout is None:
+                        raise self._lost(group, err) from None
+                    if attempt == 2:  # the call itself kills the workers: its run goes, the others go on
+                        self._drop_session(session)
+                        await self._heal(group, err)
+                        raise aborted(f"a learner worker died twice running {method} of run {session.run_id!r}; "
+                                      f"its training session is gone (the other runs of its group go on): call "
+                                      f"Configure and restore a checkpoint") from None
+                    await self._heal(group, err)
+        raise AssertionError("unreachable")
+
+    async def _snapshot(self, session: Session) -> None:
+        """A shared run's trained state, into the snapshot folder not holding the last whole one."""
+        if session.snapshots is None:
+            return
+        target = 1 - session.snapshot if session.snapshot >= 0 else 0
+        shutil.rmtree(session.snapshots[target], ignore_errors=True)
+        await self._ranks(session.group, session.run_id, "save_checkpoint", str(session.snapshots[target]))
+        session.snapshot = target
+
+    def _drop_session(self, session: Session) -> None:
+        session.group.runs.discard(session.run_id)
+        self.sessions.pop(session.run_id, None)
+        session.drop_snapshots()
+
+    async def _heal(self, group: WorkerGroup, err: Exception) -> None:
+        """New workers for a shared group whose worker died, each run configured again and restored from its
+        last snapshot, where it was. If that fails too, the group and its sessions go."""
+        for w in group.workers:
+            ray.kill(w)
+        remove_placement_group(group.pg)
+        group.rendezvous.unlink(missing_ok=True)
+        group.pg, group.workers = None, []
+        runs = sorted(group.runs)
+        if not runs:
+            self.groups.remove(group)
+            return
+        t0 = time.perf_counter()
+        try:
+            group.pg, group.workers, group.rendezvous = await self._start_workers(self.sessions[runs[0]].spec)
+            for run_id in runs:
+                session = self.sessions[run_id]
+                await self._ranks(group, run_id, "configure", *session.configure_args)
+                if session.snapshot >= 0:
+                    versions = await self._ranks(group, run_id, "load_checkpoint",
+                                                 str(session.snapshots[session.snapshot]))
+                    if versions[0] != session.version:
+                        raise RuntimeError(f"run {run_id}'s snapshot is at version {versions[0]}, "
+                                           f"its session at {session.version}")
+        except (ray.exceptions.RayActorError, RpcError, RuntimeError) as heal_err:
+            event(log, "learner.heal_failed", logging.WARNING, runs=runs, error=str(heal_err)[:300])
+            raise self._lost(group, err) from None
+        event(log, "learner.healed", logging.WARNING, runs=runs, error=err.__class__.__name__,
+              seconds=time.perf_counter() - t0)
 
     def _initial_policy(self, init_model_path: str, spec: RunSpec) -> tuple[Path, str | None]:
         """(the model folder, the PEFT adapter folder to start LoRA adapters from or None). `init_model_path`
@@ -193,6 +288,12 @@ class Learner:
             raise invalid_argument(field, str(err)) from None
 
     async def _new_group(self, spec: RunSpec, layout: tuple | None) -> WorkerGroup:
+        group = WorkerGroup(layout, *await self._start_workers(spec))
+        self.groups.append(group)
+        return group
+
+    async def _start_workers(self, spec: RunSpec) -> tuple[object, list, Path]:
+        """(placement group, one worker per rank, rendezvous file) for the spec's worker layout."""
         cl = spec.cluster
         pg = placement_group([{"CPU": cl.cpus_per_worker, "GPU": cl.gpus_per_worker}] * cl.num_workers,
                              strategy="PACK")
@@ -213,9 +314,7 @@ class Learner:
                                       cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, "")}},
         ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
             for i in range(cl.num_workers)]
-        group = WorkerGroup(layout, pg, workers, rendezvous)
-        self.groups.append(group)
-        return group
+        return pg, workers, rendezvous
 
     async def _release(self, run_id: str) -> bool:
         """End the run's session: its own group goes; in a shared group, only its backend (the caller holds
@@ -223,12 +322,13 @@ class Learner:
         session = self.sessions.pop(run_id, None)
         if session is None:
             return False
+        session.drop_snapshots()
         group = session.group
         if group.runs == {run_id}:
             self._teardown(group)
         else:
             async with group.turn(run_id, session.spec.priority):
-                await self._all(group, [w.release.remote(run_id) for w in group.workers])
+                await self._all(group, run_id, "release")
             group.runs.discard(run_id)
         return True
 
@@ -258,15 +358,18 @@ class Learner:
             group = next((g for g in self.groups if layout is not None and g.layout == layout), None)
             if group is None:
                 group = await self._new_group(spec, layout)
-            session = Session(request.run_id, spec, group)
+            session = Session(request.run_id, spec, group,
+                              configure_args=(request.spec_yaml, str(model_path), init_adapter, request.shared_base))
+            if layout is not None:
+                folder = Path(tempfile.mkdtemp(prefix="rlserve-learner-snapshot-"))
+                session.snapshots = (folder / "a", folder / "b")
             async with group.turn(request.run_id, spec.priority):
                 group.runs.add(request.run_id)
                 self.sessions[request.run_id] = session
                 try:
-                    infos = await self._all(group, [w.configure.remote(
-                        request.run_id, request.spec_yaml, str(model_path), init_adapter, request.shared_base)
-                        for w in group.workers])
+                    infos = await self._all(group, request.run_id, "configure", *session.configure_args)
                 except BaseException:
+                    session.drop_snapshots()
                     if request.run_id in group.runs:
                         group.runs.discard(request.run_id)
                         self.sessions.pop(request.run_id, None)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import yaml
 
 from rlserve.clients.coordinator import CoordinatorClient
@@ -86,3 +89,12 @@ def assert_records_agree(run: pb.Run, events: list[pb.RunEvent]) -> None:
 def _group_size(run: pb.Run) -> int:
     spec_data = yaml.safe_load((Path(run.run_dir) / "spec.yaml").read_text())
     return spec_data["grpo"]["num_generations_per_prompt"]
+
+
+def kill_learner_worker() -> int:
+    """SIGKILL the learner's worker process (what an OOM kill or a crash of the rank does)."""
+    workers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(
+        "ray::LearnerWorker")]
+    assert len(workers) == 1, f"expected one learner worker, found {[p.info['cmdline'] for p in workers]}"
+    os.kill(workers[0].pid, signal.SIGKILL)
+    return workers[0].pid

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import torch
 
@@ -20,7 +22,14 @@ from rlserve.models import resolve_model
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.integration.conftest import plugin
-from tests.integration.runs_support import assert_records_agree, events_until_end, metric_events, spec
+from tests.integration.runs_support import (
+    assert_records_agree,
+    events_until_end,
+    kill_learner_worker,
+    metric_events,
+    spec,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -109,6 +118,28 @@ def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, chann
         ready = next(ev.message for ev in runs[run_id] if ev.message.startswith("learner ready"))
         shared.append("frozen base shared with other runs" in ready)
     assert sorted(shared) == [False, True]  # the run configured second holds no base of its own
+
+
+def test_a_shared_learner_worker_killed_mid_run_heals_and_both_runs_go_on(client):
+    """The learner starts new workers, configures both runs again, restores each from its snapshot and
+    retries the call the death interrupted: neither run notices beyond a pause (no RECOVERED event, no
+    step lost or trained twice)."""
+    common = dict(grpo__max_num_steps=5, grpo__val_period=0, grpo__val_at_start=False, logger__plot_enabled=False,
+                  checkpointing__enabled=False)
+    first = client.submit(spec(policy__dtensor_cfg=lora(), **common), run_id="itest-heal-a")
+    second = client.submit(spec(policy__dtensor_cfg=lora(dim=4), **common), run_id="itest-heal-b")
+    wait_for(client, first.run_id, pb.EVENT_KIND_STEP, where=lambda ev: ev.step == 2)
+    killed = kill_learner_worker()
+    killed_at = time.time()
+    for run_id in (first.run_id, second.run_id):
+        events = events_until_end(client, run_id, timeout_s=600)
+        run = client.get(run_id)
+        assert run.state == pb.RUN_STATE_SUCCEEDED, (run_id, run.error)
+        assert not [ev for ev in events if ev.kind == pb.EVENT_KIND_RECOVERED], run_id
+        assert run.weight_version == run.step == 5  # every step trained once
+        assert [ev for ev in events if ev.kind == pb.EVENT_KIND_STEP and ev.time_unix > killed_at]
+        assert_records_agree(run, events)
+    assert killed not in [p.pid for p in psutil.process_iter()]
 
 
 @pytest.mark.parametrize("section, field, needle", [

@@ -4,12 +4,9 @@ a while costs the steps it failed on, not the run; a run whose rewards always fa
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,6 +17,7 @@ from tests.integration.conftest import plugin
 from tests.integration.runs_support import (
     assert_records_agree,
     events_until_end,
+    kill_learner_worker,
     metric_events,
     metric_rows,
     spec,
@@ -36,15 +34,6 @@ DETERMINISTIC = dict(grpo__max_num_steps=6, grpo__val_period=0, grpo__val_at_sta
 def client(test_cluster):
     with CoordinatorClient(test_cluster.endpoint) as c:
         yield c
-
-
-def kill_learner_worker() -> int:
-    """SIGKILL the learner's worker process (what an OOM kill or a crash of the rank does)."""
-    workers = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(
-        "ray::LearnerWorker")]
-    assert len(workers) == 1, f"expected one learner worker, found {[p.info['cmdline'] for p in workers]}"
-    os.kill(workers[0].pid, signal.SIGKILL)
-    return workers[0].pid
 
 
 def final_weights(run: pb.Run) -> dict[str, torch.Tensor]:
