@@ -233,7 +233,7 @@ class Learner:
             return
         target = 1 - session.snapshot if session.snapshot >= 0 else 0
         shutil.rmtree(session.snapshots[target], ignore_errors=True)
-        await self._ranks(session.group, session.run_id, "save_checkpoint", str(session.snapshots[target]))
+        await self._ranks(session.group, session.run_id, "save_snapshot", str(session.snapshots[target]))
         session.snapshot = target
 
     def _drop_session(self, session: Session) -> None:
@@ -260,7 +260,7 @@ class Learner:
                 session = self.sessions[run_id]
                 await self._ranks(group, run_id, "configure", *session.configure_args)
                 if session.snapshot >= 0:
-                    versions = await self._ranks(group, run_id, "load_checkpoint",
+                    versions = await self._ranks(group, run_id, "load_snapshot",
                                                  str(session.snapshots[session.snapshot]))
                     if versions[0] != session.version:
                         raise RuntimeError(f"run {run_id}'s snapshot is at version {versions[0]}, "

@@ -102,6 +102,12 @@ class LearnerWorker:
     def load_checkpoint(self, run_id: str, path: str) -> int:
         return self._run(run_id).backend.load_checkpoint(Path(path))
 
+    def save_snapshot(self, run_id: str, path: str) -> None:
+        self._run(run_id).backend.save_snapshot(Path(path))
+
+    def load_snapshot(self, run_id: str, path: str) -> int:
+        return self._run(run_id).backend.load_snapshot(Path(path))
+
     def save_hf(self, run_id: str, path: str) -> None:
         self._run(run_id).backend.save_hf(Path(path))
 

@@ -41,13 +41,15 @@ def backend(spec: dict, init_adapter: str | None = None):
                           Path(init_adapter) if init_adapter else None)
 
 
-def train(rank: int, world: int, spec: dict, steps: int, save_to: str | None = None, load: str | None = None):
+def train(rank: int, world: int, spec: dict, steps: int, save_to: str | None = None, load: str | None = None,
+          snapshot: bool = False):
+    """`steps` steps, after loading a checkpoint (or a snapshot) from `load`, before saving one to `save_to`."""
     b = backend(spec)
     if load:
-        b.load_checkpoint(Path(load))
+        (b.load_snapshot if snapshot else b.load_checkpoint)(Path(load))
     losses = [b.train_step(batch(b.version), "grpo").metrics["loss/total"] for _ in range(steps)]
     if save_to:
-        b.save_checkpoint(Path(save_to))
+        (b.save_snapshot if snapshot else b.save_checkpoint)(Path(save_to))
     adapter = {n: t.clone() for n, t in b.export_weights()}
     return losses, (adapter if rank == 0 else None), b.version
 
@@ -120,6 +122,20 @@ def test_save_load_continue_is_bit_identical(tmp_path):
     size = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
     model = sum(f.stat().st_size for f in resolve_model("preset:tiny").glob("*.safetensors"))
     assert size < model
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_snapshot_restores_into_new_workers_bit_identically(tmp_path, world):
+    """What a learner healing a shared group does: new processes, the run configured again, its snapshot
+    loaded (FSDP shards with 2 ranks), and training goes on as if nothing happened."""
+    spec = spec_dict(world)
+    full = run_ranks(world, train, spec, 4)[0]
+    run_ranks(world, train, spec, 2, str(tmp_path / "snap"), None, True)
+    resumed = run_ranks(world, train, spec, 2, None, str(tmp_path / "snap"), True)[0]
+    assert resumed[2] == 4 and resumed[0] == full[0][2:]
+    for name, tensor in full[1].items():
+        assert torch.equal(tensor, resumed[1][name]), name
+    assert sorted(f.name for f in (tmp_path / "snap").iterdir()) == [f"snapshot_rank{r}.pt" for r in range(world)]
 
 
 def export_and_restart(rank, world, folder):

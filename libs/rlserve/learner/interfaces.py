@@ -142,6 +142,16 @@ class LearnerBackend(ABC):
         self._version = int(extra["version"])
         return self._version
 
+    def save_snapshot(self, path: Path) -> None:
+        """This rank's trained state, to be restored into the same worker layout only (a learner healing a
+        shared worker group snapshots after every step, so it must be cheap); a backend without a
+        faster way writes a checkpoint."""
+        self.save_checkpoint(path)
+
+    def load_snapshot(self, path: Path) -> int:
+        """Restore what save_snapshot wrote; returns the version."""
+        return self.load_checkpoint(path)
+
     @abstractmethod
     def _save_model_and_optimizer(self, path: Path) -> None:
         """Write the model and optimizer state into checkpoint folder `path` (collective)."""

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from rlserve.config.spec import RunSpec
 from rlserve.dtypes import torch_dtype
 from rlserve.learner import lora
-from rlserve.learner.dtensor import checkpoint, weights
+from rlserve.learner.dtensor import checkpoint, snapshot, weights
 from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
@@ -175,6 +175,17 @@ class DTensorBackend(LearnerBackend):
 
     def _save_model_and_optimizer(self, path: Path) -> None:
         checkpoint.save(path, self.model, self.optimizer)
+
+    def save_snapshot(self, path: Path) -> None:
+        snapshot.save(path, self.model, self.optimizer, {"rng": self._rng_state(), "version": self._version,
+                                                         "scheduler": self.scheduler.state_dict()})
+
+    def load_snapshot(self, path: Path) -> int:
+        extra = snapshot.load(path, self.model, self.optimizer)
+        self._set_rng_state(extra["rng"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self._version = int(extra["version"])
+        return self._version
 
     def _load_model_and_optimizer(self, path: Path) -> None:
         checkpoint.load(path, self.model, self.optimizer)
