@@ -87,7 +87,8 @@ def test_a_lora_run_sends_adapters_only_and_ends_with_a_peft_adapter(client, cha
 
 
 def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, channel):
-    """A third LoRA run beside them, whose reward plug-in raises on every item, fails alone."""
+    """A third LoRA run beside them, whose reward plug-in raises on every item, fails alone; a fourth,
+    cancelled after its first step, drops only its own samples in flight."""
     first = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=4), run_id="itest-lora-a")
     second = client.submit(spec(policy__dtensor_cfg=lora(dim=4, target_modules=["q_proj", "v_proj"],
                                                          match_all_linear=False), grpo__max_num_steps=4),
@@ -95,16 +96,26 @@ def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, chann
     broken = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=2, checkpointing__enabled=False,
                                 reward__functions=[{"name": "broken", "import_path": plugin("broken")}]),
                            run_id="itest-lora-broken")
+    cancelled = client.submit(spec(policy__dtensor_cfg=lora(dim=2), grpo__max_num_steps=200, grpo__val_period=0,
+                                   checkpointing__enabled=False,
+                                   grpo__async_grpo={"enabled": True, "max_trajectory_age_steps": 1}),
+                              run_id="itest-lora-cancelled")
     full = client.submit(spec(grpo__max_num_steps=1), run_id="itest-after-lora")
+    wait_for(client, cancelled.run_id, pb.EVENT_KIND_STEP)
+    client.cancel(cancelled.run_id)
     runs = {r: events_until_end(client, r, timeout_s=600) for r in (first.run_id, second.run_id, full.run_id)}
     failed = client.get(broken.run_id)
     assert failed.state == pb.RUN_STATE_FAILED and failed.error.startswith("the run trained nothing")
     assert_records_agree(failed, events_until_end(client, broken.run_id))
+    stopped = client.get(cancelled.run_id)
+    assert stopped.state == pb.RUN_STATE_CANCELLED and stopped.ledger.dropped["cancelled"] > 0
+    assert_records_agree(stopped, events_until_end(client, cancelled.run_id))
     steps = {}
     for run_id, events in runs.items():
         run = client.get(run_id)
         assert run.state == pb.RUN_STATE_SUCCEEDED, (run_id, run.error)
         assert_records_agree(run, events)
+        assert not run.ledger.dropped.get("cancelled") and not run.ledger.dropped.get("reward_error")
         steps[run_id] = [ev.time_unix for ev in events if ev.kind == pb.EVENT_KIND_STEP]
     a, b = steps[first.run_id], steps[second.run_id]
     assert a[0] < b[-1] and b[0] < a[-1]  # the LoRA runs' steps interleave: they trained at the same time
