@@ -112,7 +112,8 @@ class RunAdapters:
             await asyncio.to_thread(adapter.write_adapter, folder, tensors, pub.adapter_config)
             ref = RunAdapter(next(self._ids), run_id, pub.version, folder)
             if held is None:
-                held = self._held[run_id] = _Held(ref, pub.publish_id)
+                # Newest used: the eviction it may cause takes another run's adapter, not the one just loaded.
+                held = self._held[run_id] = _Held(ref, pub.publish_id, last_used=time.monotonic())
                 await self._evict()
             else:
                 old, held.current, held.publish_id = held.current, ref, pub.publish_id
