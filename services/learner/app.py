@@ -106,7 +106,8 @@ class Session:
     last_step: tuple[int, learner_pb2.TrainStepResponse] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # the run's calls one at a time (a retry waits)
     # In a shared group: the workers' configure arguments after the run id, and two snapshot folders
-    # written in turn (a death while writing one leaves the other whole); `snapshot` is the last whole.
+    # written in turn (a death while writing one leaves the other whole); `snapshot` is the last whole
+    # (-1: none yet, the run is as configured; -2: the last one failed, the run cannot be restored).
     configure_args: tuple = ()
     snapshots: tuple[Path, Path] | None = None
     snapshot: int = -1
@@ -233,7 +234,14 @@ class Learner:
             return
         target = 1 - session.snapshot if session.snapshot >= 0 else 0
         shutil.rmtree(session.snapshots[target], ignore_errors=True)
-        await self._ranks(session.group, session.run_id, "save_snapshot", str(session.snapshots[target]))
+        try:
+            await self._ranks(session.group, session.run_id, "save_snapshot", str(session.snapshots[target]))
+        except (ray.exceptions.RayTaskError, RpcError) as err:
+            # The step stands; only healing is lost for this run (a heal drops its session: it restores its
+            # own checkpoint), until a later snapshot succeeds.
+            session.snapshot = -2
+            event(log, "learner.snapshot_failed", logging.WARNING, run=session.run_id, error=str(err)[:300])
+            return
         session.snapshot = target
 
     def _drop_session(self, session: Session) -> None:
@@ -243,7 +251,8 @@ class Learner:
 
     async def _heal(self, group: WorkerGroup, err: Exception) -> None:
         """New workers for a shared group whose worker died, each run configured again and restored from its
-        last snapshot, where it was. If that fails too, the group and its sessions go."""
+        last snapshot, where it was. A run that cannot be restored (its last snapshot failed) loses its
+        session alone; if the new workers fail too, the group and its sessions go."""
         for w in group.workers:
             ray.kill(w)
         remove_placement_group(group.pg)
@@ -256,20 +265,32 @@ class Learner:
         t0 = time.perf_counter()
         try:
             group.pg, group.workers, group.rendezvous = await self._start_workers(self.sessions[runs[0]].spec)
-            for run_id in runs:
-                session = self.sessions[run_id]
-                await self._ranks(group, run_id, "configure", *session.configure_args)
-                if session.snapshot >= 0:
-                    versions = await self._ranks(group, run_id, "load_snapshot",
-                                                 str(session.snapshots[session.snapshot]))
-                    if versions[0] != session.version:
-                        raise RuntimeError(f"run {run_id}'s snapshot is at version {versions[0]}, "
-                                           f"its session at {session.version}")
-        except (ray.exceptions.RayActorError, RpcError, RuntimeError) as heal_err:
+            lost = [run_id for run_id in runs if not await self._restore(self.sessions[run_id])]
+        except (ray.exceptions.RayActorError, RpcError) as heal_err:
             event(log, "learner.heal_failed", logging.WARNING, runs=runs, error=str(heal_err)[:300])
             raise self._lost(group, err) from None
-        event(log, "learner.healed", logging.WARNING, runs=runs, error=err.__class__.__name__,
-              seconds=time.perf_counter() - t0)
+        event(log, "learner.healed", logging.WARNING, runs=sorted(group.runs), lost=lost or None,
+              error=err.__class__.__name__, seconds=time.perf_counter() - t0)
+
+    async def _restore(self, session: Session) -> bool:
+        """Configure the run on the group's new workers and load its last snapshot; False (its session gone)
+        when it has no whole snapshot of its current version."""
+        run_id, group = session.run_id, session.group
+        await self._ranks(group, run_id, "configure", *session.configure_args)
+        if session.snapshot == -1 and session.version == 0:
+            return True
+        try:
+            if session.snapshot < 0:
+                raise RuntimeError("its last snapshot failed")
+            versions = await self._ranks(group, run_id, "load_snapshot", str(session.snapshots[session.snapshot]))
+            if versions[0] != session.version:
+                raise RuntimeError(f"its snapshot is at version {versions[0]}, its session at {session.version}")
+            return True
+        except (ray.exceptions.RayTaskError, RuntimeError) as why:
+            await self._ranks(group, run_id, "release")
+            self._drop_session(session)
+            event(log, "learner.run_not_restored", logging.WARNING, run=run_id, error=str(why)[:300])
+            return False
 
     def _initial_policy(self, init_model_path: str, spec: RunSpec) -> tuple[Path, str | None]:
         """(the model folder, the PEFT adapter folder to start LoRA adapters from or None). `init_model_path`

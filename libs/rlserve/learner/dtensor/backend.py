@@ -106,6 +106,7 @@ class DTensorBackend(LearnerBackend):
         opt = spec.policy.optimizer.kwargs
         # Only what trains reaches the optimizer: with LoRA its state is adapter-sized.
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._snapshot_host: dict[str, torch.Tensor] = {}  # host buffers `save_snapshot` reuses
         self.optimizer = torch.optim.AdamW(self.trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay, foreach=True)
         sched, total = spec.policy.scheduler, spec.max_num_steps
@@ -178,7 +179,8 @@ class DTensorBackend(LearnerBackend):
 
     def save_snapshot(self, path: Path) -> None:
         snapshot.save(path, self.model, self.optimizer, {"rng": self._rng_state(), "version": self._version,
-                                                         "scheduler": self.scheduler.state_dict()})
+                                                         "scheduler": self.scheduler.state_dict()},
+                      self._snapshot_host)
 
     def load_snapshot(self, path: Path) -> int:
         extra = snapshot.load(path, self.model, self.optimizer)
