@@ -66,8 +66,10 @@ class _Run:
 
 class FairShare:
     """A resource of `capacity` units (sequences an engine runs at once; 1 for a learner group) shared by
-    runs in proportion to their weights, counting what each request used. A request larger than the
-    capacity starts when nothing else runs."""
+    runs in proportion to their weights, counting what each request used. The next request starts
+    whenever a unit is free, whatever its size (the resource's own queue holds what does not fit): a
+    request's units stay taken until all of its sequences end, so waiting for all of them to fit would
+    leave the engine idle behind a long request's last sequences."""
 
     def __init__(self, capacity: int, linger_s: float = 2.0, exclusive: bool = False):
         if capacity < 1:
@@ -127,7 +129,7 @@ class FairShare:
             waiter = run.waiting[0]
             now = time.monotonic()
             alone = not self.exclusive and all(r is run or not self._seen(r, now) for r in self._runs.values())
-            if not (alone or self._units == 0 or self._units + waiter.units <= self.capacity):
+            if not (alone or self._units < self.capacity):
                 return
             run.waiting.popleft()
             self._clock = max(self._clock, run.vtime)

@@ -114,16 +114,19 @@ def test_a_run_alone_is_never_held_back():
     asyncio.run(main())
 
 
-def test_a_request_larger_than_the_capacity_starts_when_nothing_runs():
+def test_a_request_starts_whenever_a_unit_is_free_whatever_its_size():
+    """Units stay taken until a request's last sequence ends: the next starts as soon as one is free, so the
+    engine never idles behind a long request's tail."""
     async def main():
         share = FairShare(4)
-        small = await share.acquire("a", 1.0, 2)
-        big = asyncio.create_task(share.acquire("b", 1.0, 9))
+        big = await share.acquire("a", 1.0, 3)
+        other = await asyncio.wait_for(share.acquire("b", 1.0, 9), 1)  # 3 of 4 taken: one is free
+        late = asyncio.create_task(share.acquire("c", 1.0, 1))
         await asyncio.sleep(0.01)
-        assert not big.done()
-        share.release(small, 1.0)
-        grant = await asyncio.wait_for(big, 1)
-        assert grant.units == 9
+        assert not late.done()  # 12 taken
+        share.release(other, 1.0)
+        await asyncio.wait_for(late, 1)
+        share.release(big, 1.0)
     asyncio.run(main())
 
 
