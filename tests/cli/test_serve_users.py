@@ -33,8 +33,9 @@ def test_users_add_list_revoke_and_quotas(tmp_path):
                                                           ["root", "admin"]]
     assert token not in "".join(listed)
     quotas = serve("quotas", "-c", str(cluster)).stdout.splitlines()
-    assert quotas[0].split() == ["name", "concurrent", "queued", "samples/run"]
-    assert quotas[1].split() == ["user", "8", "2", "100000000"] and quotas[3].split() == ["alice", "1", "2", "100000000"]
+    assert quotas[0].split() == ["name", "concurrent", "queued", "samples/run", "priority"]
+    assert quotas[1].split() == ["user", "8", "2", "100000000", "1"]
+    assert quotas[3].split() == ["alice", "1", "2", "100000000", "1"]
     assert "not limited (admin)" in quotas[2] and "not limited (admin)" in quotas[4]
     revoked = serve("users", "revoke", "alice", "-c", str(cluster))
     assert revoked.returncode == 0 and "their runs go on" in revoked.stderr
