@@ -266,7 +266,7 @@ class Learner:
         try:
             group.pg, group.workers, group.rendezvous = await self._start_workers(self.sessions[runs[0]].spec)
             lost = [run_id for run_id in runs if not await self._restore(self.sessions[run_id])]
-        except (ray.exceptions.RayActorError, RpcError) as heal_err:
+        except (ray.exceptions.RayError, RpcError) as heal_err:
             event(log, "learner.heal_failed", logging.WARNING, runs=runs, error=str(heal_err)[:300])
             raise self._lost(group, err) from None
         event(log, "learner.healed", logging.WARNING, runs=sorted(group.runs), lost=lost or None,
