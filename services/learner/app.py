@@ -353,6 +353,15 @@ class Learner:
             group.runs.discard(run_id)
         return True
 
+    async def _release_stale(self, layout: tuple | None, for_run: str) -> None:
+        """A run that needs the policy alone comes only when no other trains (the coordinator sees to it), and
+        shared runs never beside one: sessions held against that are stale (a caller that never released them)
+        and would hold their workers' CPUs and GPUs for good (the caller holds `self.lock`)."""
+        stale = [r for r, s in self.sessions.items() if layout is None or s.group.layout is None]
+        for run_id in stale:
+            await self._release(run_id)
+            event(log, "learner.stale_session_released", logging.WARNING, run=run_id, for_run=for_run)
+
     @grpc_method
     async def Configure(self, request: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
         if not request.run_id:
@@ -368,13 +377,7 @@ class Learner:
         layout = _layout(spec) if request.shared_base else None
         async with self.lock:
             await self._release(request.run_id)
-            # A run that needs the policy alone comes only when no other trains (the coordinator sees to it), and
-            # shared runs never beside one: sessions held against that are stale (a caller that never released
-            # them) and would hold their workers' CPUs and GPUs for good.
-            stale = [r for r, s in self.sessions.items() if layout is None or s.group.layout is None]
-            for run_id in stale:
-                await self._release(run_id)
-                event(log, "learner.stale_session_released", logging.WARNING, run=run_id, for_run=request.run_id)
+            await self._release_stale(layout, request.run_id)
             t0 = time.perf_counter()
             group = next((g for g in self.groups if layout is not None and g.layout == layout), None)
             if group is None:
