@@ -233,9 +233,14 @@ class Rollout:
 
     @grpc_method
     async def GetInfo(self, request: rollout_pb2.GetInfoRequest) -> rollout_pb2.GetInfoResponse:
-        del request
+        version, digests = self.weights.version, {}
+        if request.weight_digests:
+            try:
+                version, digests = await self.engine.weight_digests()
+            except NotImplementedError as e:
+                raise failed_precondition(f"weight_digests: {e}") from None
         return rollout_pb2.GetInfoResponse(
-            model=self.info.model, engine=self.info.engine, weight_version=self.weights.version,
+            model=self.info.model, engine=self.info.engine, weight_version=version, weight_sha256=digests,
             max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
             replica_id=self.replica_id, architecture_fingerprint=self.fingerprint, dtype=self.info.dtype,
             tensor_parallel_size=self.args.tensor_parallel_size,

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import replace
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rlserve.models import resolve_model
@@ -18,6 +19,7 @@ from rlserve.models.presets import get_preset
 from rlserve.reference.scorer import ReferenceScorer, Sequence
 from rlserve.rollout import make_engine
 from rlserve.rollout.interfaces import EngineConfig, SamplingSpec
+from rlserve.weights.digest import differences, folder_digests
 from tests.support.aio import LoopThread
 
 PROMPTS = [[8, 11, 41, 12, 9, 47], [5, 6, 42, 7], [30, 31, 32]]
@@ -72,6 +74,31 @@ def test_sampled_logprobs_match_transformers(engine, vllm_engine, loop):
     assert all([(r.start, r.end) for r in s.version_runs] == [(0, len(s.token_ids))] and s.oldest_version == 0
                for ss in out for s in ss)
     assert max_logprob_error(out, resolve_model("preset:tiny")) < 1e-4
+
+
+def test_the_transformers_engine_digests_exactly_the_weights_it_loaded(loop, other_model, tmp_path):
+    """What `GetInfo(weight_digests)` answers: the served weights by checkpoint name, equal to the folder
+    they came from (cast to the engine's dtype), and a last-bit change in one tensor named."""
+    tied_cfg = replace(get_preset("tiny"), tie_word_embeddings=True)
+    for start, new in ((resolve_model("preset:tiny"), other_model),
+                       (make_model(tied_cfg, tmp_path / "tied"), make_model(tied_cfg, tmp_path / "new", seed=5))):
+        engine = make_engine("transformers", EngineConfig(model_path=start, dtype="bfloat16"))
+        loop.run(engine.load_weights_from_path(new, 7, in_flight=False))
+        version, served = loop.run(engine.weight_digests())
+        assert version == 7 and not differences(folder_digests(new, torch.bfloat16), served)
+        assert differences(folder_digests(start, torch.bfloat16), served)
+        state = load_file(new / "model.safetensors")
+        name = sorted(state)[-1]
+        state[name] = state[name].to(torch.bfloat16)
+        state[name].view(-1)[0] = state[name].view(-1)[0].view(torch.int16).add(1).view(torch.bfloat16)
+        loop.run(engine.load_weights(list(state.items()), 8, in_flight=False))
+        version, served = loop.run(engine.weight_digests())
+        assert version == 8 and differences(folder_digests(new, torch.bfloat16), served) == [f"{name}: differs"]
+
+
+def test_vllm_cannot_digest_its_weights_and_says_so(vllm_engine, loop):
+    with pytest.raises(NotImplementedError, match="cannot digest"):
+        loop.run(vllm_engine.weight_digests())
 
 
 def test_concurrent_requests_share_the_engine(vllm_engine, loop):

@@ -52,6 +52,10 @@ def test_rollout_over_grpc(channel):
     text = stub.Generate(rollout_pb2.GenerateRequest(prompts=[rollout_pb2.Prompt(text="47+85=")], num_samples=1,
                                                      sampling=common_pb2.SamplingParams(max_new_tokens=4)))
     assert list(text.completions[0].prompt_token_ids) == PROMPT
+    # vLLM's model runs in a layout of its own (fused projections): it cannot say what it serves by
+    # checkpoint name, and says so (the transformers engine can: tests/engines, tests/gpu).
+    err = status_of(lambda: stub.GetInfo(rollout_pb2.GetInfoRequest(weight_digests=True)))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and err.details().startswith("weight_digests:")
 
 
 @pytest.mark.parametrize("request_, field", [

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
 from rlserve.models.architecture import load_causal_lm
-from rlserve.models.checkpoint_layout import load_from_checkpoint
+from rlserve.models.checkpoint_layout import load_from_checkpoint, to_checkpoint
 from rlserve.rollout.interfaces import (
     BatchEngine,
     EngineConfig,
@@ -25,6 +25,7 @@ from rlserve.rollout.interfaces import (
     SamplingSpec,
 )
 from rlserve.weights import adapter, cuda_ipc
+from rlserve.weights.digest import weight_digests
 
 
 class TransformersEngine(BatchEngine):
@@ -206,6 +207,13 @@ class TransformersEngine(BatchEngine):
         """The model in `base` (the deployed one, or a run's starting point), without adapters."""
         self.model = load_causal_lm(base, torch_dtype(self.cfg.dtype)).to(self.device).eval()
         self._served_adapter, self._base, self._run_adapters = None, base.resolve(), {}
+
+    @torch.no_grad()
+    def weight_digests(self) -> dict[str, str]:
+        if self._served_adapter is not None or self._run_adapters:
+            raise NotImplementedError("this replica serves LoRA adapters: digests cover full weights only")
+        return weight_digests((ckpt_name, part) for name, param in self.model.named_parameters()
+                              for ckpt_name, part in to_checkpoint(self.model, name, param).items())
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,

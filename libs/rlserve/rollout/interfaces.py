@@ -211,6 +211,12 @@ class RolloutEngine(ABC):
     async def abort_weight_update(self) -> None:
         raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
 
+    async def weight_digests(self) -> tuple[int, dict[str, str]]:
+        """The version served and each checkpoint-named weight's digest (`rlserve.weights.digest`), taken
+        together: what shows a transfer bit-exact against the learner's export."""
+        raise NotImplementedError(f"the {self.name} engine cannot digest its weights (its model runs in a "
+                                  f"layout of its own)")
+
     @abstractmethod
     def stats(self) -> EngineStats: ...
 
@@ -254,6 +260,10 @@ class BatchEngine(ABC):
 
     def drop_adapter(self, adapter_id: int) -> None:
         """As `RolloutEngine.drop_adapter`."""
+
+    def weight_digests(self) -> dict[str, str]:
+        """As `RolloutEngine.weight_digests`, without the version."""
+        raise NotImplementedError(f"the {self.name} engine cannot digest its weights")
 
     @abstractmethod
     def info(self) -> EngineInfo: ...

@@ -109,6 +109,10 @@ class Serialized(RolloutEngine):
     async def abort_weight_update(self) -> None:
         self._handoff().abort()
 
+    async def weight_digests(self) -> tuple[int, dict[str, str]]:
+        async with self._lock:
+            return self._version, await in_thread_to_the_end(self.engine.weight_digests)
+
     def stats(self) -> EngineStats:
         return self._activity.stats()
 
