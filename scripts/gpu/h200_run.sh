@@ -4,6 +4,7 @@
 # BUNDLE: a folder made by `deploy/bundle build`; OUT: where logs and results go.
 # Stages: install (the bundle into python3's environment; with --target /tmp/site if that fails),
 # check, demo (cluster_gpu_one + grpo_addition_gpu), 1b (cluster_gpu_one_1b + grpo_1b_gpu),
+# 1b-megatron (the same on the megatron learner),
 # refit (the 1b workload through the weight store, then by the same-GPU handoff: compare_refit.py),
 # bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu).
 # Each stage logs to OUT/<stage>.log.
@@ -50,6 +51,9 @@ for stage in "$@"; do
     check) deploy/bundle check 2>&1 | tee "$out/check.log";;
     demo) run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml demo;;
     1b) run_cluster examples/cluster_gpu_one_1b.yaml examples/grpo_1b_gpu.yaml 1b;;
+    1b-megatron)
+      python3 -c 'import sys, yaml; spec = yaml.safe_load(open("examples/grpo_1b_gpu.yaml")); spec["policy"]["megatron_cfg"] = {"enabled": True}; yaml.safe_dump(spec, open(sys.argv[1], "w"))' "$out/1b-megatron-spec.yaml"
+      run_cluster examples/cluster_gpu_one_1b.yaml "$out/1b-megatron-spec.yaml" 1b-megatron;;
     refit)  # the 1b workload for REFIT_STEPS steps twice: weights through the store, then the GPU handoff
       python3 - "$out" "${REFIT_STEPS:-5}" <<'PY'
 import sys, yaml
