@@ -61,6 +61,7 @@ class GatewayArgs(BaseModel):
     max_message_mb: int = Field(64, ge=1, le=1024)
     # Per-caller limits (the cluster file's `limits`).
     limits: CallerLimits = CallerLimits()
+    read_cache_ms: int = Field(250, ge=0, le=10_000)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)
@@ -84,7 +85,7 @@ class Gateway:
                                  limits=self.args.limits,
                                  cert_file=Path(tls.cert_file) if tls else None,
                                  key_file=Path(tls.key_file) if tls else None,
-                                 max_message_mb=self.args.max_message_mb),
+                                 max_message_mb=self.args.max_message_mb, read_cache_ms=self.args.read_cache_ms),
             self._forward, self._forward_stream)
 
     def _handle(self, app: str) -> DeploymentHandle:

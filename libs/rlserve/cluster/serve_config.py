@@ -58,7 +58,7 @@ def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
 def _gateway(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
     tokens = token_files(cfg, runs_dir)
     return {"host": cfg.host, "port": cfg.grpc_port, "expose_internal": cfg.expose_internal,
-            "limits": cfg.limits.model_dump(),
+            "limits": cfg.limits.model_dump(), "read_cache_ms": cfg.read_cache_ms,
             "auth": None if tokens is None else {"token_file": str(tokens[0]), "admin_token_file": str(tokens[1]),
                                                  "users_file": str(users_file(cfg, runs_dir))},
             "tls": None if cfg.tls is None else {"cert_file": cfg.tls.cert_file, "key_file": cfg.tls.key_file}}

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rlserve.gateway.limits import CallerLimits, Limiter, OverLimit
 from rlserve.gateway.methods import RpcMethod, all_methods
+from rlserve.gateway.read_cache import READ_ONLY, ReadCache
 from rlserve.logs import event
 from rlserve.rpc import clean, status_of
 from rlserve.security.identity import TokenStore
@@ -55,6 +56,8 @@ class GatewayConfig:
     cert_file: Path | None = None
     key_file: Path | None = None
     max_message_mb: int = 64
+    # How long a caller's identical GetRun / ListRuns share one answer (`read_cache.py`); 0: only while forwarded.
+    read_cache_ms: int = 250
 
 
 def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -140,19 +143,29 @@ def _decode(method: RpcMethod, raw: bytes) -> Message | None:
         return None
 
 
-def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None) -> grpc.RpcMethodHandler:
+def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None, reads: ReadCache
+                   ) -> grpc.RpcMethodHandler:
+    """Decode, forward, encode. A run-facing read is answered through `reads` (identical calls of one caller
+    share a forwarded call); a run-facing write makes the caller's cached reads old."""
+    async def forwarded(request: Message) -> bytes:
+        return (await forward(method, request, caller)).SerializeToString()
+
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = _decode(method, raw)
         if request is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: not a valid {method.request.DESCRIPTOR.full_name}")
         try:
-            response = await forward(method, request, caller)
-            data = response.SerializeToString()
+            if not method.public:
+                return await forwarded(request)
+            if method.name in READ_ONLY:
+                return await reads.get(caller, method.name, raw, lambda: forwarded(request))
+            try:
+                return await forwarded(request)
+            finally:
+                reads.forget(caller)
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             status = status_of(err)
-        else:
-            return data
         await context.abort(status.code, status.message)
     return grpc.unary_unary_rpc_method_handler(handle)
 
@@ -184,10 +197,11 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     """Bind and start the endpoint on the running event loop; raises if the address cannot be bound."""
     methods = served_methods(cfg)
     limit = cfg.max_message_mb * 2**20
+    reads = ReadCache(cfg.read_cache_ms / 1000)
 
     def handlers(method: RpcMethod, caller: Principal | None) -> grpc.RpcMethodHandler:
         return (_stream_handler(method, forward_stream, caller) if method.server_streaming
-                else _unary_handler(method, forward, caller))
+                else _unary_handler(method, forward, caller, reads))
 
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods}, Limiter(cfg.limits), handlers)],

@@ -41,7 +41,7 @@ class Gateway:
     """A gateway server on its own event loop thread, with a counting in-process forwarder."""
 
     def __init__(self, tmp_path: Path, expose_internal: bool = False, tls: bool = False, auth: bool = True,
-                 limits: CallerLimits = CallerLimits()):
+                 limits: CallerLimits = CallerLimits(), read_cache_ms: int = 250):
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.user, self.admin = new_token(), new_token()
         self.user_file, self.admin_file = tmp_path / "token", tmp_path / "admin_token"
@@ -60,7 +60,7 @@ class Gateway:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         cfg = server.GatewayConfig(host="127.0.0.1", port=self.port, tokens=tokens, expose_internal=expose_internal,
-                                   limits=limits,
+                                   limits=limits, read_cache_ms=read_cache_ms,
                                    apps={}, cert_file=self.cert, key_file=self.key)
         self.server = self._run(server.start(cfg, self._forward, self._forward_stream))
 
@@ -321,3 +321,21 @@ def test_limits_are_per_user_whatever_token_they_use(gateway):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in err.details()
     assert len(list(stub.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=_md(alice), timeout=5))) == 3
     idle.cancel()
+
+
+def test_a_callers_identical_reads_share_one_forwarded_call_and_its_writes_are_read_at_once(gateway):
+    """GetRun and ListRuns within `read_cache_ms` of an identical call by the same caller are answered
+    without forwarding; another caller's are forwarded (answers never cross callers); the caller's own
+    CancelRun makes its next GetRun forwarded again."""
+    g = gateway(read_cache_ms=10_000)  # long enough for a loaded machine; expiry: test_read_cache.py
+    ch, _ = g.channel()
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    for _ in range(5):
+        assert stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.user)).run.run_id == "r"
+        stub.ListRuns(pb.ListRunsRequest(), metadata=_md(g.user))
+    stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.admin))
+    assert g.calls == ["GetRun", "ListRuns", "GetRun"]
+    assert g.callers[-1] == Principal("admin", Role.ADMIN)
+    stub.CancelRun(pb.CancelRunRequest(run_id="r"), metadata=_md(g.user))
+    stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.user))
+    assert g.calls[3:] == ["CancelRun", "GetRun"]

@@ -1,0 +1,90 @@
+"""Answers to read-only calls (GetRun, ListRuns), shared for a moment between identical calls of one caller.
+
+A call forwarded to the coordinator costs a Serve handle hop (~6 ms on an idle
+2-core machine: BENCHMARKS.md "What the public endpoint costs"). Hundreds of
+callers polling their runs while the machine trains turn that into a queue of
+seconds for everyone (the first soak: p99 11 s). A run's state changes at the
+pace of a training step, so identical calls need not each cross the cluster:
+
+- calls that arrive while an identical one is forwarded wait for its answer
+  (one forwarded call per key at a time, however many callers poll);
+- calls within `ttl_s` of an answer get that answer.
+
+A key is (caller, method, request bytes): an answer never crosses callers, so
+what a caller may read is decided by the coordinator as before. A caller's own
+writes (SubmitRun, CancelRun, ...) drop its keys, so it reads what it wrote;
+another caller's change shows within `ttl_s`. Failures are not kept. The
+cache holds at most `max_bytes` of answers, oldest dropped first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+
+# What the run-facing read-only RPCs are called; everything else public is a write.
+READ_ONLY = frozenset({"GetRun", "ListRuns"})
+
+
+@dataclass
+class _Answer:
+    data: bytes
+    at: float  # when the call that got it was forwarded
+
+
+class ReadCache:
+    def __init__(self, ttl_s: float, max_bytes: int = 64 * 2**20):
+        self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
+        self._answers: OrderedDict[tuple, _Answer] = OrderedDict()
+        self._bytes = 0
+        self._pending: dict[tuple, tuple[asyncio.Task, float]] = {}
+        # caller -> when it last wrote (kept for ttl_s: an answer forwarded before that is expired by then).
+        self._wrote: dict[Hashable, float] = {}
+
+    async def get(self, caller: Hashable, method: str, request: bytes,
+                  fetch: Callable[[], Awaitable[bytes]]) -> bytes:
+        """The answer to `request` for `caller`: a fresh one (within ttl_s), the one being fetched, or `fetch()`'s."""
+        key = (caller, method, request)
+        now, wrote = time.monotonic(), self._wrote.get(caller, float("-inf"))
+        answer = self._answers.get(key)
+        if answer is not None and now - answer.at < self.ttl_s and answer.at > wrote:
+            return answer.data
+        pending = self._pending.get(key)
+        if pending is None or pending[1] <= wrote:
+            # A task of its own: a caller that goes away does not cancel the answer others wait for.
+            pending = self._pending[key] = (asyncio.ensure_future(self._fetch(key, fetch, now)), now)
+        return await asyncio.shield(pending[0])
+
+    async def _fetch(self, key: tuple, fetch: Callable[[], Awaitable[bytes]], started: float) -> bytes:
+        try:
+            data = await fetch()
+        finally:
+            if self._pending.get(key, (None, None))[1] == started:
+                del self._pending[key]
+        if self.ttl_s > 0 and started > self._wrote.get(key[0], float("-inf")):
+            self._keep(key, _Answer(data, started))
+        return data
+
+    def _keep(self, key: tuple, answer: _Answer) -> None:
+        old = self._answers.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old.data)
+        if len(answer.data) > self.max_bytes:
+            return
+        self._answers[key] = answer
+        self._bytes += len(answer.data)
+        while self._bytes > self.max_bytes:
+            _, dropped = self._answers.popitem(last=False)
+            self._bytes -= len(dropped.data)
+
+    def forget(self, caller: Hashable) -> None:
+        """`caller` wrote: its answers so far, and those being fetched, are old."""
+        now = time.monotonic()
+        self._wrote = {c: t for c, t in self._wrote.items() if now - t < self.ttl_s}
+        self._wrote[caller] = now
+        for key in [k for k in self._answers if k[0] == caller]:
+            self._bytes -= len(self._answers.pop(key).data)
