@@ -1,4 +1,4 @@
-"""Pinning processes to CPU cores, for clusters that generate and train on the same CPUs.
+"""Where and how eagerly a service's processes run on the CPUs, for clusters that generate and train on them.
 
 On a CPU-only machine the rollout engine and the learner compete for the same cores: a
 busy engine slows training and the other way round, and vLLM's engine process spins while
@@ -6,6 +6,13 @@ it waits for its worker. Giving each its own cores (`services.<name>.cpu_cores` 
 cluster file, `cpu_cores` in the rollout engine's args) turns that contention into overlap.
 Linux sets affinity per thread and new threads inherit their creator's, so a process is
 pinned by pinning every thread it has; the processes it starts afterwards inherit it.
+
+The same cores also serve the control plane (gateway, coordinator, reward): with training
+filling them, a user's GetRun waited seconds behind it (the first soak). The compute
+services therefore run niced (`services.<name>.nice`: rollout, reference and learner 10 by
+default, against 0 for the control plane: the cluster starts Ray's workers at 0, not Ray's
+15), so a call is served as soon as it arrives and training takes what is left; with
+nothing else to run, training runs exactly as fast as before.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ import contextlib
 import os
 from collections.abc import Iterator, Sequence
 
-# The environment variable that carries a service's `cpu_cores` into its replicas
-# (`DeploymentArgs.apply`) and on to the learner's workers; read by `pin_from_env`.
+# The environment variables that carry a service's `cpu_cores` and `nice` into its replicas
+# (`DeploymentArgs.apply`) and on to the learner's workers; read by `place_from_env`.
 ENV = "RLSERVE_CPU_CORES"
+NICE_ENV = "RLSERVE_NICE"
 
 
 def check_cores(cores: Sequence[int], field: str) -> set[int]:
@@ -36,11 +44,23 @@ def pin_process(cores: Sequence[int], field: str) -> None:
             os.sched_setaffinity(int(tid), mask)
 
 
-def pin_from_env() -> None:
-    """Called first by every replica (and learner worker): pins it if its service set `cpu_cores`."""
+def place_from_env() -> None:
+    """Called first by every replica (and learner worker): pins it if its service set `cpu_cores`, and
+    lowers its CPU priority by its service's `nice` (what it starts later inherits both)."""
     raw = os.environ.get(ENV, "")
     if raw:
         pin_process([int(c) for c in raw.split(",")], f"{ENV}={raw}")
+    nice = int(os.environ.get(NICE_ENV) or 0)
+    if nice > 0:
+        lower_priority(nice)
+
+
+def lower_priority(nice: int) -> None:
+    """Run every thread of this process (and so what it starts later) at niceness `nice` or lower priority.
+    Linux keeps a niceness per thread, as it does affinity; raising one needs no privilege."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, max(os.getpriority(os.PRIO_PROCESS, int(tid)), nice)))
 
 
 @contextlib.contextmanager

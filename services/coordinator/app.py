@@ -17,7 +17,7 @@ from ray import serve
 
 from rlserve.cluster.config import MAX_CONCURRENT_RUNS
 from rlserve.cluster.deployment import build_app
-from rlserve.cpu_affinity import pin_from_env
+from rlserve.cpu_affinity import place_from_env
 from rlserve.grpo.admission import GrpoAdmission
 from rlserve.grpo.recovery import run_grpo
 from rlserve.grpo.retry import RetryPolicy
@@ -75,7 +75,7 @@ class CoordinatorArgs(BaseModel):
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
-        pin_from_env()
+        place_from_env()
         self.args = CoordinatorArgs.model_validate(args or {})
         plugins = PluginPolicy(self.args.allowed_plugins, self.args.allowed_models)
         admission = GrpoAdmission(self.args.paths.policy(), plugins,

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rlserve.cluster.deployment import build_app
-from rlserve.cpu_affinity import pin_from_env
+from rlserve.cpu_affinity import place_from_env
 from rlserve.gateway import server
 from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.methods import RpcMethod
@@ -68,7 +68,7 @@ class GatewayArgs(BaseModel):
 class Gateway:
     async def __init__(self, args: dict | None = None):
         setup_logging()
-        pin_from_env()
+        place_from_env()
         self.args = GatewayArgs.model_validate(args or {})
         auth, tls = self.args.auth, self.args.tls
         tokens = None

@@ -147,7 +147,7 @@ def batch_from_proto(request: learner_pb2.TrainStepRequest, generator_logprobs: 
 class Learner:
     def __init__(self, args: dict | None = None):
         setup_logging()
-        cpu_affinity.pin_from_env()
+        cpu_affinity.place_from_env()
         self.args = LearnerArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
         self.sessions: dict[str, Session] = {}
@@ -330,9 +330,10 @@ class Learner:
         workers = [LearnerWorker.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
             num_cpus=cl.cpus_per_worker, num_gpus=cl.gpus_per_worker,
-            # The service's cpu_cores (if any) carry on to its workers.
+            # The service's cpu_cores (if any) and nice carry on to its workers.
             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(min(cl.torch_threads, os.cpu_count() or 1)),
-                                      cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, "")}},
+                                      cpu_affinity.ENV: os.environ.get(cpu_affinity.ENV, ""),
+                                      cpu_affinity.NICE_ENV: os.environ.get(cpu_affinity.NICE_ENV, "")}},
         ).remote(i, cl.num_workers, f"file://{rendezvous}", cl.device, cl.torch_threads)
             for i in range(cl.num_workers)]
         return pg, workers, rendezvous

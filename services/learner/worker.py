@@ -19,7 +19,7 @@ import ray
 import torch
 
 from rlserve.config import RunSpec, load_spec
-from rlserve.cpu_affinity import pin_from_env
+from rlserve.cpu_affinity import place_from_env
 from rlserve.dtypes import torch_dtype
 from rlserve.learner import make_backend
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend, StepResult
@@ -43,7 +43,7 @@ class _RunOnWorker:
 @ray.remote
 class LearnerWorker:
     def __init__(self, rank: int, world_size: int, init_method: str, device: str, torch_threads: int):
-        pin_from_env()
+        place_from_env()
         # At most one thread per core of this machine, whatever the spec asks (SubmitRun checks it too).
         torch_threads = min(torch_threads, os.cpu_count() or 1)
         torch.set_num_threads(torch_threads)

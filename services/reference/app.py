@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 
 from rlserve.cluster.deployment import assigned_device, build_app
-from rlserve.cpu_affinity import pin_from_env
+from rlserve.cpu_affinity import place_from_env
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.reference.scorer import ReferenceScorer, Sequence
@@ -40,7 +40,7 @@ class ReferenceArgs(BaseModel):
 class Reference:
     def __init__(self, args: dict | None = None):
         setup_logging()
-        pin_from_env()
+        place_from_env()
         self.args = ReferenceArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
         self.default_path = resolve_model(self.args.model, self.args.model_seed)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
 from rlserve.cluster.deployment import build_app
-from rlserve.cpu_affinity import pin_from_env
+from rlserve.cpu_affinity import place_from_env
 from rlserve.environments import serving
 from rlserve.environments.loader import Environments
 from rlserve.logs import event, setup_logging
@@ -57,7 +57,7 @@ def _combined(keys: tuple[str, ...]) -> CombinedReward:
 class Reward:
     def __init__(self, args: dict | None = None):
         setup_logging()
-        pin_from_env()
+        place_from_env()
         parsed = RewardArgs.model_validate(args or {})
         self.default = CombinedReward(parsed.functions)
         self.plugins = PluginPolicy(parsed.allowed_plugins, parsed.allowed_models)

@@ -21,7 +21,7 @@ from ray import serve
 from rlserve.cluster.deployment import assigned_device, build_app
 from rlserve.config.section import MAX_PRIORITY
 from rlserve.config.spec import MAX_GENERATIONS_PER_PROMPT
-from rlserve.cpu_affinity import pin_from_env
+from rlserve.cpu_affinity import place_from_env
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
@@ -86,7 +86,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
 class Rollout:
     async def __init__(self, args: dict | None = None):
         setup_logging()
-        pin_from_env()
+        place_from_env()
         self.args = RolloutArgs.model_validate(args or {})
         self.paths = self.args.paths.policy()
         model_path = resolve_model(self.args.model, self.args.model_seed)

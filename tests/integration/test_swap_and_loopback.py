@@ -3,6 +3,8 @@ nothing the cluster runs listens beyond loopback."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 from pathlib import Path
 
@@ -62,3 +64,23 @@ def test_nothing_listens_beyond_loopback(test_cluster):
     wide = [(c.laddr, " ".join(psutil.Process(c.pid).cmdline())[:300]) for c in listeners
             if not is_loopback(c.laddr.ip)]
     assert not wide, f"listening beyond loopback: {wide}"
+
+
+def test_compute_services_run_below_the_control_plane(test_cluster):
+    """Rollout, reference and learner replicas run niced (10 by default), so a caller's GetRun is served
+    ahead of training on a machine whose cores training fills; coordinator, reward and gateway do not."""
+    pgid = os.getpgid(int((test_cluster.cluster.state_dir / "head.pid").read_text()))
+    head = set()  # this cluster's raylet and GCS; its workers are the raylet's children (in groups of their own)
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(p.pid) == pgid:
+                head.add(p.pid)
+    nice = {}
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        title = (p.info["cmdline"] or [""])[0]
+        with contextlib.suppress(psutil.Error):
+            if title.startswith("ray::ServeReplica:") and p.info["ppid"] in head:
+                nice[title.split(":")[3]] = p.nice()
+    assert set(nice) >= {"rollout", "reference", "learner", "coordinator", "reward", "gateway"}, nice
+    assert all(nice[app] >= 10 for app in ("rollout", "reference", "learner")), nice
+    assert all(nice[app] < 10 for app in ("coordinator", "reward", "gateway")), nice

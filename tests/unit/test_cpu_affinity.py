@@ -31,7 +31,7 @@ def test_a_pinned_replica_pins_every_thread_and_what_it_starts():
         "import os, subprocess, sys, threading, time\n"
         "from rlserve import cpu_affinity\n"
         "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"  # a thread from before
-        "cpu_affinity.pin_from_env()\n"
+        "cpu_affinity.place_from_env()\n"
         "print(sorted({frozenset(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}, key=len))\n"
         f"print(subprocess.run({CHILD_AFFINITY!r}, capture_output=True, text=True).stdout.strip())\n")
     env = {**os.environ, cpu_affinity.ENV: "1"}
@@ -53,6 +53,43 @@ def test_processes_started_inside_children_on_run_on_its_cores_and_the_caller_ke
         helper.start()
     assert child == "[0]"
     assert thread_affinities() == before  # this thread and the helper are back on every core
+
+
+def test_a_niced_replica_lowers_every_threads_priority_and_what_it_starts_inherits_it():
+    script = (
+        "import os, subprocess, sys, threading, time\n"
+        "from rlserve import cpu_affinity\n"
+        "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"  # a thread from before
+        "cpu_affinity.place_from_env()\n"
+        "print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))\n"
+        "print(subprocess.run([sys.executable, '-c', 'import os; print(os.getpriority(os.PRIO_PROCESS, 0))'],"
+        " capture_output=True, text=True).stdout.strip())\n")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    env = {**os.environ, cpu_affinity.NICE_ENV: str(base + 5)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    threads, child = out.stdout.splitlines()
+    assert threads == f"[{base + 5}]" and child == str(base + 5)
+
+
+def test_compute_services_run_niced_by_default_and_the_control_plane_does_not(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"services": {"reference": {"nice": 3}}}))
+    cfg, _ = load_cluster_file(path)
+    deployments = {a["name"]: a["args"]["deployment"] for a in serve_config(cfg, tmp_path)["applications"]}
+    assert {name: d.get("nice", 0) for name, d in deployments.items()} == {
+        "rollout": 10, "reward": 0, "reference": 3, "learner": 10, "coordinator": 0, "gateway": 0}
+    env = DeploymentArgs.model_validate(deployments["rollout"]).apply(_Probe()).options_seen["ray_actor_options"]
+    assert env["runtime_env"]["env_vars"][cpu_affinity.NICE_ENV] == "10"
+    assert "runtime_env" not in DeploymentArgs.model_validate(deployments["coordinator"]).apply(
+        _Probe()).options_seen["ray_actor_options"]
+
+
+class _Probe:
+    """Stands in for a serve.Deployment: records what `DeploymentArgs.apply` sets (no Ray needed to read it)."""
+
+    def options(self, **kwargs) -> _Probe:
+        self.options_seen = kwargs
+        return self
 
 
 def test_cores_the_machine_lacks_are_refused_by_name():

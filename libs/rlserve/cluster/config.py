@@ -35,12 +35,17 @@ class ServiceCfg(BaseModel):
     # CPU cores each replica's process (and the processes it starts: learner workers) runs on; empty:
     # any. On a CPU-only machine, keep training off the rollout engine's cores (its `args.cpu_cores`).
     cpu_cores: list[Annotated[int, Field(ge=0)]] = Field([], max_length=4096)
+    # How much lower than the control plane's its processes' CPU priority is (Linux niceness, 0-19; the
+    # learner's workers too); None: the service's default (DEFAULT_NICE). Training and generation then
+    # take the CPU time that the gateway, coordinator and reward leave, so calls are not queued behind them.
+    nice: int | None = Field(None, ge=0, le=19)
     # Service-specific arguments (see each services/<name>/app.py *Args class).
     args: dict[str, Any] = {}
 
 
 # Logical CPUs per replica: on a 2-core machine, fractional replicas share the cores.
 DEFAULT_NUM_CPUS = {"rollout": 0.5, "reward": 0.1, "reference": 0.25, "learner": 0.1, "coordinator": 0.1}
+DEFAULT_NICE = {"rollout": 10, "reward": 0, "reference": 10, "learner": 10, "coordinator": 0}
 
 
 class ServicesCfg(BaseModel):
@@ -58,6 +63,10 @@ class ServicesCfg(BaseModel):
             svc = getattr(self, name)
             if svc.num_cpus is None:
                 setattr(self, name, svc.model_copy(update={"num_cpus": cpus}))
+        for name, nice in DEFAULT_NICE.items():
+            svc = getattr(self, name)
+            if svc.nice is None:
+                setattr(self, name, svc.model_copy(update={"nice": nice}))
         return self
 
 

@@ -27,6 +27,8 @@ class DeploymentArgs(BaseModel):
     resources: dict[str, float] = {}
     # Cores the replica's process pins itself to at start (`rlserve.cpu_affinity`); empty: any.
     cpu_cores: list[int] = []
+    # Niceness the replica's process takes at start (`rlserve.cpu_affinity`); 0: the control plane's.
+    nice: int = Field(0, ge=0, le=19)
     # New replicas start before old ones stop, so a redeploy (a reward swap) drops no request.
     max_surge_percent: int = Field(100, ge=0, le=100)
 
@@ -37,6 +39,8 @@ class DeploymentArgs(BaseModel):
         runtime_env: dict = {"env_vars": dict(self.env_vars)} if self.env_vars else {}
         if self.cpu_cores:
             runtime_env.setdefault("env_vars", {})[cpu_affinity.ENV] = ",".join(map(str, self.cpu_cores))
+        if self.nice:
+            runtime_env.setdefault("env_vars", {})[cpu_affinity.NICE_ENV] = str(self.nice)
         if runtime_env:
             actor_options["runtime_env"] = runtime_env
         return deployment.options(num_replicas=self.num_replicas, ray_actor_options=actor_options,

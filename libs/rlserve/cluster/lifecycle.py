@@ -82,7 +82,11 @@ class Cluster:
                # Fixed default ports of Ray's helpers, moved next to ray_port so that two
                # clusters (say, the demo and the tests) can run on one machine.
                "AUTOSCALER_METRIC_PORT": str(self.cfg.ray_port + 3),
-               "DASHBOARD_METRIC_PORT": str(self.cfg.ray_port + 4)}
+               "DASHBOARD_METRIC_PORT": str(self.cfg.ray_port + 4),
+               # Ray starts every worker at niceness 15, under its raylet and GCS; rlserve ranks its own:
+               # the control plane's replicas at 0 beside Ray's daemons, the compute services' below
+               # them (`services.<name>.nice`, rlserve.cpu_affinity).
+               "RAY_worker_niceness": "0"}
         if self.cfg.loopback and not self.cfg.address:
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         if not self.cfg.address:

@@ -85,7 +85,8 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
                               "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001}}
     else:
         args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
-                              "env_vars": svc.env_vars, "resources": svc.resources, "cpu_cores": svc.cpu_cores}
+                              "env_vars": svc.env_vars, "resources": svc.resources, "cpu_cores": svc.cpu_cores,
+                              "nice": svc.nice}
     return args
 
 
