@@ -165,8 +165,12 @@ class PromptTokenizer:
         whose `messages` hold earlier assistant turns train on those too, each from where the
         template starts the turn to the first EOS id after it, found by rendering the conversation
         turn by turn. A turn the template does not render as a prefix of the conversation (one that
-        drops earlier turns' reasoning, say) is left untrained.
+        drops earlier turns' reasoning, say) is left untrained. An example with a `demonstration` is
+        the played episode: its prompt's messages, then the demonstration, whose last turn is the answer.
         """
+        if ex.demonstration:
+            played = ex.demonstration
+            ex = Example(ex.prompt, played[-1]["content"], ex.metadata, (*self.messages(ex), *played[:-1]))
         ids, prompt_len = self.sft_ids(ex)
         mask = [False] * prompt_len + [True] * (len(ids) - prompt_len)
         if self.prompt_format != "chat" or ex.messages is None:

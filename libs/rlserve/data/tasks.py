@@ -14,6 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rlserve.environments.tools.calls import FORMATS, ToolCall, call_text, observation
+
 
 @dataclass(frozen=True)
 class Example:
@@ -25,6 +27,10 @@ class Example:
     messages: tuple[dict[str, str], ...] | None = None
     # Per-row arguments for a multi-turn environment (`rlserve.environments.interfaces.Episode`).
     env_args: dict[str, Any] = field(default_factory=dict)
+    # An episode played by a demonstrator: after the prompt, the policy's turns and the environment's
+    # observations, ending with the policy's last turn. The SFT warm start trains on its assistant turns
+    # instead of the answer, so a policy can learn to act on observations (or to call a tool) before GRPO.
+    demonstration: tuple[dict[str, str], ...] | None = None
 
 
 class Task:
@@ -183,9 +189,12 @@ class Sort(Reverse):
 class GuessNumber(Task):
     """`guess my number from 1 to N.` for the `guess_number` environment, which holds the number
     (`env_args.target`, also the answer) and answers each guess with "higher" or "lower". The prompt
-    is the same for every row, so an SFT warm start on the answers learns to guess a number in range
-    (uniformly), and only the environment's feedback can do better. Validation plays each distinct game
-    (target) once; training samples games of the same kind (a game has no held-out form but its target)."""
+    is the same for every row, so an SFT warm start on the answers alone learns to guess a number in
+    range (uniformly) whatever it hears. The demonstration plays the game with uniform guesses within
+    the range the answers so far leave open: it uses the feedback but is no binary search, so SFT on it
+    gives a policy that GRPO can make shorter (and, within a turn limit, more often right). Validation
+    plays each distinct game (target) once; training samples games of the same kind (a game has no
+    held-out form but its target)."""
 
     name = "guess_number"
     held_out = False
@@ -202,10 +211,58 @@ class GuessNumber(Task):
     def example(self, rng: random.Random) -> Example:
         n = self.args.max_number
         target = rng.randint(1, n)
-        return Example(f"guess my number from 1 to {n}.", str(target), {}, None, {"target": target, "max_number": n})
+        # The demonstrator draws from its own stream, seeded by the data's: the games stay those drawn
+        # before there were demonstrations (a tuple of ints hashes the same in every process).
+        demonstrator = random.Random(hash(rng.getstate()[1]))
+        low, high, played = 1, n, []
+        while True:
+            guess = demonstrator.randint(low, high)
+            played.append({"role": "assistant", "content": str(guess)})
+            if guess == target:
+                break
+            low, high = (guess + 1, high) if guess < target else (low, guess - 1)
+            played.append({"role": "user", "content": "higher" if guess < target else "lower"})
+        return Example(f"guess my number from 1 to {n}.", str(target), {}, None, {"target": target, "max_number": n},
+                       tuple(played))
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort, GuessNumber)}
+class ToolMultiplication(Task):
+    """`123*45=` -> `5535` for the `tool_use` environment with the `calculator` tool: a product too long
+    for a small model to work out, easy to copy from the tool's answer. The demonstration (`use_tool`)
+    calls the calculator in `tool_format`, reads its answer and repeats it, which teaches a model that
+    was never shown a tool call to spell one; without `use_tool` SFT trains on the answer alone (the
+    same task without the tool, for comparison). The answer is written plainly, as the tool gives it."""
+
+    name = "tool_multiplication"
+
+    @dataclass(frozen=True)
+    class Args:
+        digits: int = 3
+        other_digits: int = 2
+        use_tool: bool = True
+        tool_format: str = "hermes"
+
+    @classmethod
+    def check_args(cls, args: Any) -> None:
+        for key in ("digits", "other_digits"):
+            if not 1 <= getattr(args, key) <= 9:
+                raise ValueError(f"{key}: must be in 1..9, got {getattr(args, key)}")
+        if args.tool_format not in FORMATS:
+            raise ValueError(f"tool_format: one of {', '.join(FORMATS)}, got {args.tool_format!r}")
+
+    def example(self, rng: random.Random) -> Example:
+        a, b = _number(rng, self.args.digits), _number(rng, self.args.other_digits)
+        answer = str(a * b)
+        played = None
+        if self.args.use_tool:
+            call = ToolCall("calculator", {"expression": f"{a}*{b}"})
+            played = ({"role": "assistant", "content": call_text(call, self.args.tool_format)},
+                      *observation([answer], self.args.tool_format), {"role": "assistant", "content": answer})
+        return Example(f"{a}*{b}=", answer, {"a": a, "b": b}, demonstration=played)
+
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort, GuessNumber,
+                                                   ToolMultiplication)}
 
 
 def get_task(name: str, raw_args: dict[str, Any]) -> Task:

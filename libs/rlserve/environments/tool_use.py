@@ -6,7 +6,8 @@ template`: Reset returns their schemas and the template renders them, as
 transformers' `tools=`; the preflight refuses a template that renders no tools),
 or (`declare_tools: system`, the default) in a system message, in the form the
 model family's chat templates render a `tools=` list into, so a template
-without tool support works too: `tool_format: hermes` (Hermes / Qwen, the
+without tool support works too (or `declare_tools: none`: nothing declares them, for a model
+taught the calls by SFT demonstrations whose context cannot hold the schemas): `tool_format: hermes` (Hermes / Qwen, the
 default: a `<tools>` block of JSON schemas and the `<tool_call>` format, each
 call answered in the next user turn as `<tool_response>` blocks) or `llama3`
 (Llama 3.1-3.3: the message is the JSON call with `parameters`, each call
@@ -64,8 +65,8 @@ class ToolUse(Environment):
         if tool_format not in FORMATS:
             raise ValueError(f"tool_format: one of {', '.join(FORMATS)}, got {tool_format!r}")
         self.format = tool_format
-        if declare_tools not in ("system", "template"):
-            raise ValueError(f"declare_tools: system or template, got {declare_tools!r}")
+        if declare_tools not in ("system", "template", "none"):
+            raise ValueError(f"declare_tools: system, template or none, got {declare_tools!r}")
         self.declare_tools = declare_tools
         if isinstance(max_output_chars, bool) or not isinstance(max_output_chars, int) \
                 or not 16 <= max_output_chars <= 65_536:
@@ -80,6 +81,8 @@ class ToolUse(Environment):
 
     def reset(self, episode: Episode) -> ResetOutput:
         messages = list(episode.messages)
+        if self.declare_tools == "none":
+            return ResetOutput(messages, {"calls": 0})
         if self.declare_tools == "template":  # the policy's chat template renders them (its `tools=`)
             return ResetOutput(messages, {"calls": 0}, [{"type": "function", "function": SCHEMAS[t]}
                                                         for t in self.tools])

@@ -110,6 +110,20 @@ def test_sft_tokens_train_every_assistant_turn_and_nothing_else(chat_model):
     assert sum(mask) == len(ids) - len(raw.prompt_ids(Example("1+1=", "2"))) and mask[-1]
 
 
+def test_a_demonstration_trains_its_assistant_turns_after_the_prompt(chat_model):
+    """The played episode (guesses, the environment's answers, the last guess) follows the prompt's own
+    messages (here with the system prompt); its guesses are trained, the answers heard are not."""
+    tok = PromptTokenizer(chat_model, "chat", "Guess.")
+    played = ({"role": "assistant", "content": "4"}, {"role": "user", "content": "higher"},
+              {"role": "assistant", "content": "6"})
+    ids, mask = tok.sft_tokens(Example("guess my number from 1 to 8.", "6", env_args={"target": 6},
+                                       demonstration=played))
+    assert tok.tok.decode(ids) == tok.tok.apply_chat_template(
+        [{"role": "system", "content": "Guess."}, {"role": "user", "content": "guess my number from 1 to 8."},
+         *played], tokenize=False).removesuffix("\n")  # the sequence ends with the turn's EOS
+    assert tok.tok.decode([i for i, m in zip(ids, mask) if m]) == "4<|im_end|>6<|im_end|>"
+
+
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
 

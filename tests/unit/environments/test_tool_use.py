@@ -11,7 +11,7 @@ from rlserve.environments.config import EnvironmentCfg
 from rlserve.environments.interfaces import Episode, StepInput
 from rlserve.environments.loader import load_environment
 from rlserve.environments.tools.calculator import CalculatorError, calculate
-from rlserve.environments.tools.calls import parse_tool_calls
+from rlserve.environments.tools.calls import ToolCall, call_text, parse_tool_calls
 from rlserve.environments.tools.sandbox import SandboxUnavailable, run_python
 from rlserve.rewards.loader import CombinedReward
 
@@ -127,6 +127,18 @@ def test_declared_to_the_template_the_tools_come_back_as_schemas_and_no_system_m
     assert all(t["type"] == "function" and "parameters" in t["function"] for t in start.tools)
     with pytest.raises(ValueError, match="declare_tools"):
         environment(declare_tools="prompt")
+
+
+def test_declared_by_nothing_the_rows_messages_are_the_prompt():
+    """`none`: a model taught the calls by SFT demonstrations, whose context has no room for the schemas."""
+    start = environment(declare_tools="none").reset(EPISODE)
+    assert start.messages == list(EPISODE.messages) and start.tools is None
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_a_call_written_for_a_demonstration_parses_back(fmt):
+    call = ToolCall("calculator", {"expression": "123*45"})
+    assert parse_tool_calls(call_text(call, fmt), fmt).calls == [call]
 
 
 @pytest.mark.parametrize("tools, words", [

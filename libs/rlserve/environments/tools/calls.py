@@ -106,6 +106,13 @@ def _calls(decoded: list[Any], args_key: str, errors: list[str]) -> ParsedCalls:
     return ParsedCalls(calls, errors)
 
 
+def call_text(call: ToolCall, fmt: str) -> str:
+    """A call as the model family writes it, which `parse_tool_calls` reads back (for demonstrations)."""
+    if fmt == "llama3":
+        return json.dumps({"name": call.name, "parameters": call.arguments})
+    return f"<tool_call>\n{json.dumps({'name': call.name, 'arguments': call.arguments})}\n</tool_call>"
+
+
 def tool_response(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
