@@ -14,8 +14,9 @@ call answered in the next user turn as `<tool_response>` blocks) or `llama3`
 answered by a `tool` message; `tools.calls` parses both). A malformed call, an unknown tool or a tool's error
 is an answer too (counted in `malformed_calls` and `tool_errors`), never an
 exception. Built-in tools: `calculator` (`tools.calculator`) and `python`
-(`tools.sandbox`: no network, no files but its own, limits, not root). The
-episode's state counts the calls so far.
+(`tools.sandbox`: no network, no files but its own, limits, not root). A data
+row may give its episode fewer of them (`env_args.tools`, a subset of `tools`):
+only those are declared and answered. The episode's state counts the calls so far.
 """
 
 from __future__ import annotations
@@ -79,14 +80,21 @@ class ToolUse(Environment):
         self._run: dict[str, Callable[[dict[str, Any]], str]] = {"calculator": self._calculator,
                                                                    "python": self._python}
 
+    def _tools_of(self, episode: Episode) -> list[str]:
+        """The row's `env_args.tools`, else every tool of the spec; a row naming another tool is refused."""
+        tools = episode.env_args.get("tools", self.tools)
+        if not isinstance(tools, list) or not tools or any(t not in self.tools for t in tools):
+            raise ValueError(f"env_args.tools: a non-empty list of the spec's tools {self.tools}, got {tools!r}")
+        return tools
+
     def reset(self, episode: Episode) -> ResetOutput:
-        messages = list(episode.messages)
+        messages, tools = list(episode.messages), self._tools_of(episode)
         if self.declare_tools == "none":
             return ResetOutput(messages, {"calls": 0})
         if self.declare_tools == "template":  # the policy's chat template renders them (its `tools=`)
             return ResetOutput(messages, {"calls": 0}, [{"type": "function", "function": SCHEMAS[t]}
-                                                        for t in self.tools])
-        prompt = _system_prompt(self.tools, self.format)
+                                                        for t in tools])
+        prompt = _system_prompt(tools, self.format)
         if messages and messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}
         else:
@@ -102,9 +110,9 @@ class ToolUse(Environment):
             return StepOutput([], scored.total, True, {**scored.components, **scored.metrics,
                                                        "tool_calls": float(state["calls"]),
                                                        "turns": float(step.turn)}, state)
-        answers, errors = [], 0
+        answers, errors, tools = [], 0, self._tools_of(step.episode)
         for call in parsed.calls:
-            text, ok = self._answer(call)
+            text, ok = self._answer(call, tools)
             answers.append(text)
             errors += not ok
         answers += [f"error: {e}" for e in parsed.errors]
@@ -113,9 +121,9 @@ class ToolUse(Environment):
                    "tool_calls": float(state["calls"])}
         return StepOutput(observation(answers, self.format), 0.0, False, metrics, state)
 
-    def _answer(self, call: ToolCall) -> tuple[str, bool]:
-        if call.name not in self.tools:
-            return f"error: unknown tool {call.name[:64]!r}; the tools are {', '.join(self.tools)}", False
+    def _answer(self, call: ToolCall, tools: list[str]) -> tuple[str, bool]:
+        if call.name not in tools:
+            return f"error: unknown tool {call.name[:64]!r}; the tools are {', '.join(tools)}", False
         try:
             text, ok = self._run[call.name](call.arguments), True
         except (CalculatorError, ValueError, SandboxUnavailable) as err:

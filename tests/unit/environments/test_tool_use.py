@@ -129,6 +129,21 @@ def test_declared_to_the_template_the_tools_come_back_as_schemas_and_no_system_m
         environment(declare_tools="prompt")
 
 
+def test_a_row_gives_its_episode_fewer_tools_and_only_those_are_declared_and_answered():
+    env = environment(declare_tools="template", tools=["calculator", "python"])
+    row = Episode("1", EPISODE.prompt, EPISODE.messages, EPISODE.answer, env_args={"tools": ["calculator"]})
+    assert [t["function"]["name"] for t in env.reset(row).tools] == ["calculator"]
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+    out = env.step(StepInput(row, [], call, None, 1))
+    assert "unknown tool 'python'; the tools are calculator" in out.observation[0]["content"]
+    assert out.metrics["tool_errors"] == 1.0
+    system = environment(tools=["calculator", "python"]).reset(row).messages[0]["content"]
+    assert '"name": "calculator"' in system and '"name": "python"' not in system
+    for tools in (["shell"], [], "calculator"):  # a row may not add tools the spec did not give
+        with pytest.raises(ValueError, match=r"env_args\.tools"):
+            env.reset(Episode("2", EPISODE.prompt, EPISODE.messages, EPISODE.answer, env_args={"tools": tools}))
+
+
 def test_declared_by_nothing_the_rows_messages_are_the_prompt():
     """`none`: a model taught the calls by SFT demonstrations, whose context has no room for the schemas."""
     start = environment(declare_tools="none").reset(EPISODE)
