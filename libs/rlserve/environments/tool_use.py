@@ -6,9 +6,9 @@ template`: Reset returns their schemas and the template renders them, as
 transformers' `tools=`; the preflight refuses a template that renders no tools),
 or (`declare_tools: system`, the default) in a system message, in the form the
 model family's chat templates render a `tools=` list into, so a template
-without tool support works too (or `declare_tools: none`: nothing declares them, for a model
-taught the calls by SFT demonstrations whose context cannot hold the schemas): `tool_format: hermes` (Hermes / Qwen, the
-default: a `<tools>` block of JSON schemas and the `<tool_call>` format, each
+without tool support works too (or `declare_tools: none`: nothing declares
+them, for a model taught the calls by SFT demonstrations whose context cannot
+hold the schemas): `tool_format: hermes` (Hermes / Qwen, the default: a `<tools>` block of JSON schemas and the `<tool_call>` format, each
 call answered in the next user turn as `<tool_response>` blocks) or `llama3`
 (Llama 3.1-3.3: the message is the JSON call with `parameters`, each call
 answered by a `tool` message; `tools.calls` parses both). A malformed call, an unknown tool or a tool's error
