@@ -42,7 +42,7 @@ class ReadCache:
         self._answers: OrderedDict[tuple, _Answer] = OrderedDict()
         self._bytes = 0
         self._pending: dict[tuple, tuple[asyncio.Task, float]] = {}
-        # caller -> when it last wrote (kept for ttl_s: an answer forwarded before that is expired by then).
+        # caller -> when it last wrote; kept while an answer or a forwarded call from before it may be current.
         self._wrote: dict[Hashable, float] = {}
 
     async def get(self, caller: Hashable, method: str, request: bytes,
@@ -84,7 +84,8 @@ class ReadCache:
     def forget(self, caller: Hashable) -> None:
         """`caller` wrote: its answers so far, and those being fetched, are old."""
         now = time.monotonic()
-        self._wrote = {c: t for c, t in self._wrote.items() if now - t < self.ttl_s}
+        horizon = min([now - self.ttl_s] + [started for _, started in self._pending.values()])
+        self._wrote = {c: t for c, t in self._wrote.items() if t >= horizon}
         self._wrote[caller] = now
         for key in [k for k in self._answers if k[0] == caller]:
             self._bytes -= len(self._answers.pop(key).data)

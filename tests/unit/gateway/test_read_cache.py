@@ -109,3 +109,16 @@ def test_the_bytes_held_are_bounded_oldest_first():
         assert await cache.get("alice", "GetRun", b"a", backend.fetch()) == b"answer 5"
         assert cache._bytes <= 30
     asyncio.run(main())
+
+
+def test_with_no_ttl_a_read_after_a_write_still_skips_the_call_forwarded_before_it():
+    """ttl 0 shares only calls in flight; another caller's write must not erase the record of this one's."""
+    async def main():
+        cache, backend = ReadCache(ttl_s=0), Backend(delay_s=0.1)
+        before = asyncio.ensure_future(cache.get("alice", "GetRun", b"x", backend.fetch()))
+        await asyncio.sleep(0.02)
+        cache.forget("alice")
+        cache.forget("bob")
+        after = await cache.get("alice", "GetRun", b"x", backend.fetch())
+        assert (await before, after) == (b"answer 1", b"answer 2")
+    asyncio.run(main())
