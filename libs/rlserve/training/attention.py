@@ -11,8 +11,11 @@ micro-batch is built, so nothing here syncs with the device.
 
 - CUDA, bf16/fp16: `torch.nn.attention.varlen.varlen_attn` (FlashAttention's
   variable-length kernel, forward and backward; GQA without repeating K/V).
-- Anywhere else (the CPU tests, fp32): a documented fallback that runs causal
-  SDPA on each sequence in turn; the same maths, memory linear in the row.
+- Anywhere else (CPU, fp32): causal SDPA over the sequences, one batched call per
+  distinct length; the same maths, memory linear in the row. An RL micro-batch
+  packs hundreds of short sequences of a few distinct lengths, and a call per
+  sequence spent most of a CPU training step in Python (the demo: 256 sequences
+  of 8 lengths, 5.5x slower per layer; bit-identical outputs and gradients).
 
 Two front ends use it: `hf_packed_attention`, registered in transformers'
 `AttentionInterface` under HF_ATTENTION for the dtensor backend (rows arrive as
@@ -73,14 +76,26 @@ def _varlen(query, key, value, cu_seqlens, max_seqlen, scale):
 
 
 def _per_sequence(query, key, value, cu_seqlens, scale):
+    """Causal SDPA within each sequence, batched over the sequences of each length: gathered into
+    [n, H, L, D], attended in one call, put back in row order."""
     bounds = cu_seqlens.tolist()
     gqa = key.shape[1] != query.shape[1]
-    outs = []
+    starts_by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:]):
-        q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))  # [1, H, L, D]
+        if end > start:
+            starts_by_length.setdefault(end - start, []).append(start)
+    outs, order = [], []
+    for length, starts in starts_by_length.items():
+        rows = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1).to(query.device)
+        q, k, v = (t.index_select(0, rows).view(len(starts), length, *t.shape[1:]).transpose(1, 2)
+                   for t in (query, key, value))  # [n, H, L, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs)
+        outs.append(out.transpose(1, 2).reshape(len(rows), *out.shape[1:2], out.shape[-1]))
+        order.append(rows)
+    placed = torch.cat(order)
+    inverse = torch.empty_like(placed)
+    inverse[placed] = torch.arange(len(placed), device=placed.device)
+    return torch.cat(outs).index_select(0, inverse)
 
 
 def unsupported_reason(hf_config) -> str | None:

@@ -37,6 +37,23 @@ def test_packed_attention_equals_the_block_diagonal_mask_with_gqa():
     torch.testing.assert_close(out, masked_reference(q, k, v, LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
 
 
+def test_sequences_of_equal_length_batched_together_keep_their_own_outputs_and_gradients():
+    """The CPU path attends all sequences of one length in one call: interleaved lengths, repeats and
+    one-token sequences give the block-diagonal mask's outputs and gradients, in row order."""
+    lengths = [5, 1, 9, 3, 5, 5, 1, 9, 2, 5]
+    g = torch.Generator().manual_seed(1)
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    out = packed_causal_attention(q, k, v, cu_seqlens_of(lengths), max(lengths), 0.3)
+    ref = masked_reference(q, k, v, lengths, 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def tiny_model():
     config = LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
