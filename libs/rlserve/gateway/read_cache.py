@@ -11,10 +11,13 @@ pace of a training step, so identical calls need not each cross the cluster:
 - calls within `ttl_s` of an answer get that answer.
 
 A key is (caller, method, request bytes): an answer never crosses callers, so
-what a caller may read is decided by the coordinator as before. A caller's own
-writes (SubmitRun, CancelRun, ...) drop its keys, so it reads what it wrote;
-another caller's change shows within `ttl_s`. Failures are not kept. The
-cache holds at most `max_bytes` of answers, oldest dropped first.
+what a caller may read is decided by the coordinator as before. Any write
+through the gateway (SubmitRun, CancelRun, ... by anyone) makes every answer
+old, and a read after it never joins a call forwarded before it: what anyone
+wrote is read at once (an admin listing runs sees the run a user just
+submitted). What the coordinator changes by itself (a run's steps) shows within
+`ttl_s`. Failures are not kept. The cache holds at most `max_bytes` of answers,
+oldest dropped first.
 """
 
 from __future__ import annotations
@@ -42,19 +45,19 @@ class ReadCache:
         self._answers: OrderedDict[tuple, _Answer] = OrderedDict()
         self._bytes = 0
         self._pending: dict[tuple, tuple[asyncio.Task, float]] = {}
-        # caller -> when it last wrote; kept while an answer or a forwarded call from before it may be current.
-        self._wrote: dict[Hashable, float] = {}
+        self._wrote = float("-inf")  # when the last write went through
 
     async def get(self, caller: Hashable, method: str, request: bytes,
                   fetch: Callable[[], Awaitable[bytes]]) -> bytes:
-        """The answer to `request` for `caller`: a fresh one (within ttl_s), the one being fetched, or `fetch()`'s."""
+        """The answer to `request` for `caller`: a fresh one (within ttl_s, after the last write), the one
+        being fetched (if forwarded after the last write), or `fetch()`'s."""
         key = (caller, method, request)
-        now, wrote = time.monotonic(), self._wrote.get(caller, float("-inf"))
+        now = time.monotonic()
         answer = self._answers.get(key)
-        if answer is not None and now - answer.at < self.ttl_s and answer.at > wrote:
+        if answer is not None and now - answer.at < self.ttl_s and answer.at > self._wrote:
             return answer.data
         pending = self._pending.get(key)
-        if pending is None or pending[1] <= wrote:
+        if pending is None or pending[1] <= self._wrote:
             # A task of its own: a caller that goes away does not cancel the answer others wait for.
             pending = self._pending[key] = (asyncio.ensure_future(self._fetch(key, fetch, now)), now)
         return await asyncio.shield(pending[0])
@@ -65,7 +68,7 @@ class ReadCache:
         finally:
             if self._pending.get(key, (None, None))[1] == started:
                 del self._pending[key]
-        if self.ttl_s > 0 and started > self._wrote.get(key[0], float("-inf")):
+        if self.ttl_s > 0 and started > self._wrote:
             self._keep(key, _Answer(data, started))
         return data
 
@@ -81,11 +84,8 @@ class ReadCache:
             _, dropped = self._answers.popitem(last=False)
             self._bytes -= len(dropped.data)
 
-    def forget(self, caller: Hashable) -> None:
-        """`caller` wrote: its answers so far, and those being fetched, are old."""
-        now = time.monotonic()
-        horizon = min([now - self.ttl_s] + [started for _, started in self._pending.values()])
-        self._wrote = {c: t for c, t in self._wrote.items() if t >= horizon}
-        self._wrote[caller] = now
-        for key in [k for k in self._answers if k[0] == caller]:
-            self._bytes -= len(self._answers.pop(key).data)
+    def wrote(self) -> None:
+        """A write went through: every answer so far, and every call forwarded before now, is old."""
+        self._wrote = time.monotonic()
+        self._answers.clear()
+        self._bytes = 0

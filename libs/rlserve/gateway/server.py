@@ -146,7 +146,7 @@ def _decode(method: RpcMethod, raw: bytes) -> Message | None:
 def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None, reads: ReadCache
                    ) -> grpc.RpcMethodHandler:
     """Decode, forward, encode. A run-facing read is answered through `reads` (identical calls of one caller
-    share a forwarded call); a run-facing write makes the caller's cached reads old."""
+    share a forwarded call); a run-facing write makes every cached read old."""
     async def forwarded(request: Message) -> bytes:
         return (await forward(method, request, caller)).SerializeToString()
 
@@ -163,7 +163,7 @@ def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None
             try:
                 return await forwarded(request)
             finally:
-                reads.forget(caller)
+                reads.wrote()
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             status = status_of(err)
         await context.abort(status.code, status.message)

@@ -1,7 +1,7 @@
 """The gateway's read cache on its own: identical calls of one caller share a forwarded call and, for ttl_s,
-its answer; answers never cross callers; a caller's write makes its answers (and reads forwarded before
-it) old; failures are not kept; a caller that goes away does not take the answer from the others; the
-bytes held are bounded."""
+its answer; answers never cross callers; any write makes every answer (and reads forwarded before it) old;
+failures are not kept; a caller that goes away does not take the answer from the others; the bytes held
+are bounded."""
 
 from __future__ import annotations
 
@@ -54,22 +54,22 @@ def test_answers_never_cross_callers():
     asyncio.run(main())
 
 
-def test_a_callers_write_makes_its_answers_and_reads_forwarded_before_it_old():
+def test_any_write_makes_every_answer_and_reads_forwarded_before_it_old():
     async def main():
         cache, backend = ReadCache(ttl_s=10), Backend(delay_s=0.1)
         assert await cache.get("alice", "GetRun", b"r", backend.fetch()) == b"answer 1"
-        await cache.get("bob", "GetRun", b"r", backend.fetch())
-        cache.forget("alice")  # e.g. alice cancelled the run
+        assert await cache.get("root", "ListRuns", b"", backend.fetch()) == b"answer 2"
+        cache.wrote()  # e.g. alice submitted a run: root's listing must show it
         assert await cache.get("alice", "GetRun", b"r", backend.fetch()) == b"answer 3"
-        assert await cache.get("bob", "GetRun", b"r", backend.fetch()) == b"answer 2"  # bob's within ttl_s
+        assert await cache.get("root", "ListRuns", b"", backend.fetch()) == b"answer 4"
         # A read forwarded before a write is not joined by a read after it, nor kept.
         before = asyncio.ensure_future(cache.get("alice", "GetRun", b"x", backend.fetch()))
         await asyncio.sleep(0.02)
-        cache.forget("alice")
+        cache.wrote()
         after = await cache.get("alice", "GetRun", b"x", backend.fetch())
-        assert (await before, after) == (b"answer 4", b"answer 5")
-        assert await cache.get("alice", "GetRun", b"x", backend.fetch()) == b"answer 5"
-        assert backend.calls == 5
+        assert (await before, after) == (b"answer 5", b"answer 6")
+        assert await cache.get("alice", "GetRun", b"x", backend.fetch()) == b"answer 6"
+        assert backend.calls == 6
     asyncio.run(main())
 
 
@@ -111,14 +111,15 @@ def test_the_bytes_held_are_bounded_oldest_first():
     asyncio.run(main())
 
 
-def test_with_no_ttl_a_read_after_a_write_still_skips_the_call_forwarded_before_it():
-    """ttl 0 shares only calls in flight; another caller's write must not erase the record of this one's."""
+def test_with_no_ttl_only_calls_in_flight_are_shared_and_a_write_still_splits_them():
     async def main():
         cache, backend = ReadCache(ttl_s=0), Backend(delay_s=0.1)
+        shared = await asyncio.gather(*(cache.get("alice", "GetRun", b"x", backend.fetch()) for _ in range(3)))
+        assert shared == [b"answer 1"] * 3
+        assert await cache.get("alice", "GetRun", b"x", backend.fetch()) == b"answer 2"
         before = asyncio.ensure_future(cache.get("alice", "GetRun", b"x", backend.fetch()))
         await asyncio.sleep(0.02)
-        cache.forget("alice")
-        cache.forget("bob")
+        cache.wrote()
         after = await cache.get("alice", "GetRun", b"x", backend.fetch())
-        assert (await before, after) == (b"answer 1", b"answer 2")
+        assert (await before, after) == (b"answer 3", b"answer 4")
     asyncio.run(main())
