@@ -170,8 +170,10 @@ def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None
     return grpc.unary_unary_rpc_method_handler(handle)
 
 
-def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Principal | None
+def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Principal | None, reads: ReadCache
                     ) -> grpc.RpcMethodHandler:
+    """A stream the service ends (a run's events up to its end) makes every cached read old: a client that
+    reads the run once its stream ended must see it ended."""
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         request = _decode(method, raw)
         if request is None:
@@ -181,6 +183,7 @@ def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Pr
         try:
             async for item in forward_stream(method, request, caller):
                 yield item.SerializeToString()
+            reads.wrote()
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
             status = status_of(err)
         if status is not None:
@@ -200,7 +203,7 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     reads = ReadCache(cfg.read_cache_ms / 1000)
 
     def handlers(method: RpcMethod, caller: Principal | None) -> grpc.RpcMethodHandler:
-        return (_stream_handler(method, forward_stream, caller) if method.server_streaming
+        return (_stream_handler(method, forward_stream, caller, reads) if method.server_streaming
                 else _unary_handler(method, forward, caller, reads))
 
     server = grpc.aio.server(

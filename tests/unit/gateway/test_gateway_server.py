@@ -340,3 +340,7 @@ def test_a_callers_identical_reads_share_one_forwarded_call_and_writes_are_read_
     stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.user))
     stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.admin))
     assert g.calls[3:] == ["CancelRun", "GetRun", "GetRun"]
+    # A stream the service ended (a run's events up to its end) is a change too: the next read is forwarded.
+    list(stub.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=_md(g.user)))
+    stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.user))
+    assert g.calls[6:] == ["WatchRun", "GetRun"]
