@@ -61,7 +61,7 @@ class GatewayArgs(BaseModel):
     max_message_mb: int = Field(64, ge=1, le=1024)
     # Per-caller limits (the cluster file's `limits`).
     limits: CallerLimits = CallerLimits()
-    read_cache_ms: int = Field(250, ge=0, le=10_000)
+    read_cache_ms: int = Field(0, ge=0, le=10_000)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)

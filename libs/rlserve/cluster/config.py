@@ -164,7 +164,7 @@ class ClusterFile(BaseModel):
     # A user's identical GetRun / ListRuns calls within this long share one answer from the coordinator
     # (rlserve.gateway.read_cache: writes through the gateway are seen at once, a run's own progress within
     # this long); 0: only calls made while the same one is forwarded share it.
-    read_cache_ms: int = Field(250, ge=0, le=10_000)
+    read_cache_ms: int = Field(0, ge=0, le=10_000)
     # Per-user quotas on runs (rlserve.runs.quotas: unfinished runs, queued runs, samples per run), a
     # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
     # this section when the file changes: no restart.

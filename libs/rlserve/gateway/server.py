@@ -57,7 +57,7 @@ class GatewayConfig:
     key_file: Path | None = None
     max_message_mb: int = 64
     # How long a caller's identical GetRun / ListRuns share one answer (`read_cache.py`); 0: only while forwarded.
-    read_cache_ms: int = 250
+    read_cache_ms: int = 0
 
 
 def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

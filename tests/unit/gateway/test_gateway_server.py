@@ -41,7 +41,7 @@ class Gateway:
     """A gateway server on its own event loop thread, with a counting in-process forwarder."""
 
     def __init__(self, tmp_path: Path, expose_internal: bool = False, tls: bool = False, auth: bool = True,
-                 limits: CallerLimits = CallerLimits(), read_cache_ms: int = 250):
+                 limits: CallerLimits = CallerLimits(), read_cache_ms: int = 0):
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.user, self.admin = new_token(), new_token()
         self.user_file, self.admin_file = tmp_path / "token", tmp_path / "admin_token"
