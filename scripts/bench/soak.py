@@ -46,7 +46,7 @@ TINY = "name: soak-tiny\ngrpo: {max_num_steps: 1, num_prompts_per_step: 2, num_g
 KILLABLE = ("rollout", "reward", "reference", "LearnerWorker", "coordinator", "gateway")
 
 
-def soak_cluster(root: Path):
+def soak_cluster(root: Path, read_cache_ms: int):
     import yaml
 
     from rlserve.cluster.config import load_cluster_file
@@ -54,7 +54,8 @@ def soak_cluster(root: Path):
 
     data = yaml.safe_load((Path(__file__).resolve().parents[2] / "libs/rlserve/cluster/default_cluster.yaml")
                           .read_text())
-    data.update({"name": "soak", "ray_port": PORT_BASE, "grpc_port": PORT_BASE + 10, "runs_dir": str(root / "runs")})
+    data.update({"name": "soak", "ray_port": PORT_BASE, "grpc_port": PORT_BASE + 10, "runs_dir": str(root / "runs"),
+                 "read_cache_ms": read_cache_ms})
     path = root / "cluster.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg, runs = load_cluster_file(path)
@@ -205,6 +206,8 @@ def main() -> None:
                              "at ~1 s a step (the demo's steps take 1.2 s here; the first chaos soak's run of 650 "
                              "steps ended 8 minutes into 30)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--read-cache-ms", type=int, default=0,
+                        help="the cluster file's read_cache_ms (how long the gateway keeps a read's answer)")
     args = parser.parse_args()
     if args.steps is None:
         args.steps = int(3 * args.phase_s + args.chaos_s) + 100
@@ -215,7 +218,7 @@ def main() -> None:
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-soak-"))
-    cluster = soak_cluster(root)
+    cluster = soak_cluster(root, args.read_cache_ms)
     up(cluster)
     try:
         user_file = cluster.token_files[0]
@@ -272,7 +275,7 @@ def main() -> None:
         quiet = rows[0]["step_s"]
         for row in rows:
             row["step_vs_quiet"] = row["step_s"] / quiet
-        meta = {"callers": args.callers, "phase_s": args.phase_s}
+        meta = {"callers": args.callers, "phase_s": args.phase_s, "read_cache_ms": args.read_cache_ms}
         if args.chaos_s:
             killed = chaos(args.chaos_s, random.Random(args.seed))
             with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:

@@ -145,15 +145,20 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     running = [Background(long_generate, stub, 32, seed) for seed in (1, 2, 3, 4)]
     wait_until_generating(stub, running)
     export = train_and_export(learner, 2, in_flight=False)
+    # The victim is a replica seen waiting at finish for a second: one busy with generations. A replica
+    # that Serve gave no request answers finish at once, and killing it then would kill it after the transfer.
     deadline = time.time() + 120
+    waiting_since: dict[str, float] = {}
     while True:
         pending = ray.get(fleet.pending.remote())
-        waiting = [m for m, kinds in pending.items() if "finish" in kinds]
-        if waiting:
+        now = time.time()
+        waiting_since = {m: waiting_since.get(m, now) for m, kinds in pending.items() if "finish" in kinds}
+        held = [m for m, since in waiting_since.items() if now - since >= 1.0]
+        if held:
             break
-        assert time.time() < deadline and export.is_alive(), f"the transfer never waited at finish: {pending}"
+        assert now < deadline and export.is_alive(), f"the transfer never waited at finish: {pending}"
         time.sleep(0.02)
-    victim = waiting[0]
+    victim = held[0]
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
               if a["namespace"] == "serve" and "rollout" in a["name"] and victim in a["name"]]
     ray.kill(ray.get_actor(actors[0]["name"], namespace="serve"), no_restart=True)

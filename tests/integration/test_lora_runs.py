@@ -136,21 +136,26 @@ def test_a_shared_learner_worker_killed_mid_run_heals_and_both_runs_go_on(client
     """The learner starts new workers, configures both runs again, restores each from its snapshot and
     retries the call the death interrupted: neither run notices beyond a pause (no RECOVERED event, no
     step lost or trained twice)."""
-    common = dict(grpo__max_num_steps=5, grpo__val_period=0, grpo__val_at_start=False, logger__plot_enabled=False,
-                  checkpointing__enabled=False)
+    steps = 8
+    common = dict(grpo__max_num_steps=steps, grpo__val_period=0, grpo__val_at_start=False,
+                  logger__plot_enabled=False, checkpointing__enabled=False)
     first = client.submit(spec(policy__dtensor_cfg=lora(), **common), run_id="itest-heal-a")
     second = client.submit(spec(policy__dtensor_cfg=lora(dim=4), **common), run_id="itest-heal-b")
-    wait_for(client, first.run_id, pb.EVENT_KIND_STEP, where=lambda ev: ev.step == 2)
+    for run_id in (first.run_id, second.run_id):  # both have trained, neither has ended
+        wait_for(client, run_id, pb.EVENT_KIND_STEP, where=lambda ev: ev.step == 2)
     killed = kill_learner_worker()
     killed_at = time.time()
+    at_kill = {run_id: client.get(run_id).step for run_id in (first.run_id, second.run_id)}
+    trained_after = {}
     for run_id in (first.run_id, second.run_id):
         events = events_until_end(client, run_id, timeout_s=600)
         run = client.get(run_id)
         assert run.state == pb.RUN_STATE_SUCCEEDED, (run_id, run.error)
         assert not [ev for ev in events if ev.kind == pb.EVENT_KIND_RECOVERED], run_id
-        assert run.weight_version == run.step == 5  # every step trained once
-        assert [ev for ev in events if ev.kind == pb.EVENT_KIND_STEP and ev.time_unix > killed_at]
+        assert run.weight_version == run.step == steps  # every step trained once
+        trained_after[run_id] = [ev.step for ev in events if ev.kind == pb.EVENT_KIND_STEP and ev.time_unix > killed_at]
         assert_records_agree(run, events)
+    assert all(trained_after.values()), (trained_after, at_kill)  # both went on, on the new worker
     assert killed not in [p.pid for p in psutil.process_iter()]
 
 
