@@ -83,7 +83,8 @@ def probe_logprobs(backend, reference: bool = False) -> torch.Tensor | None:
 
     objective = StepObjective(backend.spec, batch(PROBE), "grpo", backend.dp_size, backend.dp_rank, backend.pad_id)
     with torch.no_grad():
-        lps = backend._reference_logprobs(objective) if reference else backend._forward_logprobs(objective)
+        lps = (backend._reference_logprobs(objective) if reference
+               else [backend._forward_logprobs(plan) for plan in objective.plans])
     return torch.cat([lp for plan in lps for lp in plan]) if backend.pp_last else None
 
 

@@ -63,6 +63,7 @@ class FleetClient:
             rank += m.num_workers
         self.failed: dict[str, str] = {}
         self.round: dict[str, Any] = {}
+        self._start: dict[str, Any] | None = None  # a round's start, sent with its first step
 
     def begin(self, run_id: str, version: int, in_flight: bool) -> None:
         self.round = {"run_id": run_id, "version": version, "in_flight": in_flight}
@@ -76,6 +77,9 @@ class FleetClient:
         live = {mid: p for mid, p in payload.items() if mid not in self.failed}
         if not live:
             return
+        if self._start is not None:
+            live = {mid: {**p, "start": self._start} for mid, p in live.items()}
+            self._start = None
         results = ray.get(self.fleet.command.remote(kind, live, self.timeout_s))
         for member_id, error in results.items():
             if error is not None:
@@ -95,7 +99,8 @@ class FleetClient:
             for m in self.members})
 
     def start_weight_update(self) -> None:
-        self._fan_out("start", self._each({"in_flight": self.round["in_flight"], "run_id": self.round["run_id"]}))
+        """Travels with the round's first update: each member starts, then takes it (a round trip fewer)."""
+        self._start = {"in_flight": self.round["in_flight"], "run_id": self.round["run_id"]}
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._fan_out("update", self._each({"update_info": update_info}))
@@ -112,6 +117,7 @@ class FleetClient:
         self._fan_out("finish", self._each(self.round))
 
     def abort(self) -> None:
+        self._start = None
         self._fan_out("abort", self._each({}))
 
 

@@ -138,11 +138,12 @@ class WeightFollower:
 
     async def _transfer_step(self, kind: str, payload: dict) -> None:
         engine = self.engine
+        start = payload.get("start")
+        if start is not None:  # a round's start travels with its first step
+            await engine.start_weight_update(start["in_flight"])
+            self._direct = {"run_id": start["run_id"], "started": time.monotonic()}
         if kind == "init":
             await engine.init_weight_transfer(payload["init_info"])
-        elif kind == "start":
-            await engine.start_weight_update(payload["in_flight"])
-            self._direct = {"run_id": payload["run_id"], "started": time.monotonic()}
         elif kind == "update":
             info = payload["update_info"]
             got = {n: TensorSpec(tuple(s), getattr(torch, d)) for n, d, s in zip(

@@ -12,6 +12,7 @@ loss by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -53,6 +54,14 @@ class StepObjective:
         # computes them itself, with its adapters off (`set_reference`).
         self.reference_missing = self.loss.needs_reference_logprobs and batch.ref_logprobs is None
         self._sums: list[dict[str, torch.Tensor]] = []
+
+    def prev_logprobs(self, forward: Callable[[list[MicroBatch]], list[torch.Tensor | None]]
+                      ) -> list[list[torch.Tensor | None]]:
+        """Logprobs under the step's starting weights per planned micro-batch, from `forward` (one
+        minibatch's micro-batches -> their logprobs), for the updates after the first only: the first
+        trains at the starting weights, so its own logprobs, detached, are these (None here: one
+        forward pass over a minibatch fewer, and a ratio of exactly 1)."""
+        return [[None] * len(self.plans[0])] + [forward(plan) for plan in self.plans[1:]]
 
     def set_reference(self, logprobs: list[list[torch.Tensor]]) -> None:
         """Reference logprobs per planned micro-batch ([minibatch][micro-batch], as `plans`)."""

@@ -3,8 +3,8 @@
 A handle call reaches one Serve replica, so the learner cannot call every
 rollout engine itself. Each replica `join`s as a member and long-polls
 `next_command`; the learner's weight-sync client fans a command out with
-`command` (vLLM's init/start/update/finish of a direct transfer) and gets each
-member's reply. `announce` tells every member of a new publication in the
+`command` (vLLM's init/update/finish of a direct transfer; a round's start rides
+with its first update, a round trip fewer) and gets each member's reply. `announce` tells every member of a new publication in the
 weight store (`store.py`) without waiting for replies: a member loads it from
 the store unless it already serves that version. A member that stops polling,
 or whose process died (its liveness token, an object it owns, is lost with
@@ -44,7 +44,7 @@ class Member:
 @dataclass(frozen=True)
 class Command:
     seq: int
-    kind: str  # PUBLISHED, or a weight-transfer step: "init", "start", "update", "finish", "abort"
+    kind: str  # PUBLISHED, or a weight-transfer step: "init", "update", "finish", "abort"
     payload: dict
 
 

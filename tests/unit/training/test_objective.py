@@ -28,6 +28,11 @@ def test_grpo_is_minibatched_and_needs_the_starting_policy():
     grpo = objective("grpo")
     assert len(grpo.plans) == 2 and grpo.needs_prev_logprobs
     assert grpo.normalizers == [5.0, 3.0]  # valid tokens of each update
+    # The first update trains at the starting weights: only the later ones need a forward pass for them.
+    forwarded = []
+    prev = grpo.prev_logprobs(lambda plan: forwarded.append(plan) or [torch.zeros(1) for _ in plan])
+    assert len(forwarded) == 1 and forwarded[0] is grpo.plans[1]
+    assert prev[0] == [None] * len(grpo.plans[0]) and len(prev[1]) == len(grpo.plans[1])
     assert objective("grpo", {"token_level_loss": False}).normalizers == [2.0, 2.0]  # sequences
 
 

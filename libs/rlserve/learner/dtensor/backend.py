@@ -149,9 +149,10 @@ class DTensorBackend(LearnerBackend):
         return objective.finalize(self.mesh["dp"].get_group())
 
     @torch.no_grad()
-    def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
+    def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
         """Logprobs under the weights at the start of the step, for steps of several optimizer updates."""
-        return [[self.model(mb.to(self.device), with_entropy=False)[0] for mb in plan] for plan in objective.plans]
+        return objective.prev_logprobs(lambda plan: [self.model(mb.to(self.device), with_entropy=False)[0]
+                                                     for mb in plan])
 
     def _reference_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
         with lora.adapters_off(self.model):

@@ -317,25 +317,23 @@ class MegatronBackend(LearnerBackend):
 
     def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
         """Logprobs under the weights at the start of the step, for steps of several updates."""
-        return self._forward_logprobs(objective)
+        return objective.prev_logprobs(self._forward_logprobs)
 
     def _reference_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
         with megatron_lora.adapters_off(self.gpt):
-            return self._forward_logprobs(objective)
+            return [self._forward_logprobs(plan) for plan in objective.plans]
 
     @torch.no_grad()
-    def _forward_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
-        """Every planned micro-batch's logprobs (forward only); None on stages before the last, which
+    def _forward_logprobs(self, plan: list[MicroBatch]) -> list[torch.Tensor | None]:
+        """A minibatch's micro-batches' logprobs (forward only); None on stages before the last, which
         never compute a loss."""
 
         def collect(j, mb, inputs, hidden):
             lps, _ = self._logprobs(inputs, hidden, with_entropy=False)
             return lps.sum() * 0.0, {"logprobs": lps}
 
-        out = [self._run(plan, collect, forward_only=True) for plan in objective.plans]
-        if not self.pp_last:
-            return [[None] * len(plan) for plan in objective.plans]
-        return [[d["logprobs"] for d in store] for store in out]
+        out = self._run(plan, collect, forward_only=True)
+        return [d["logprobs"] for d in out] if self.pp_last else [None] * len(plan)
 
     def _finalize(self, objective: StepObjective) -> dict[str, float]:
         """Metrics live on the last pipeline stage; every rank returns the same dict."""
