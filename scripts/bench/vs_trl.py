@@ -39,7 +39,7 @@ TRL_ENV = ROOT / "bench-envs" / "trl"
 # mode -> (example spec, keys over it)
 MODES = {
     "sync": ("grpo_addition.yaml", {"grpo": {"async_grpo": {"enabled": False}}}),
-    "async": ("grpo_addition.yaml", {}),
+    "async": ("grpo_addition.yaml", {"grpo": {"async_grpo": {"enabled": True}}}),
     "stream": ("grpo_addition_in_flight.yaml", {}),
 }
 COLUMNS = ["system", "train_s", "trajectories_per_s", "vs_trl", "s_to_0.7", "val_at_end"]

@@ -49,6 +49,8 @@ class CoordinatorArgs(BaseModel):
     apps: dict[str, str] = APPS
     weight_store: str = DEFAULT_STORE_NAME
     watchdog_timeout_s: float = Field(1200.0, gt=0)
+    # The rollout generates on CPU cores a CPU learner shares (`async_grpo.enabled: auto` picks sync then).
+    generation_shares_cpu_cores: bool = False
     retry: RetryPolicy = RetryPolicy()
     # Runs an earlier coordinator left running continue from their last checkpoint when this one
     # starts (and their spec's checkpointing.auto_resume is on); false: they are marked FAILED.
@@ -95,7 +97,8 @@ class Coordinator:
                                                lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
                                                self.args.watchdog_timeout_s,
                                                env_endpoint=run.spec.env.endpoint if run.spec.env.enabled else None)
-        await run_grpo(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s))
+        await run_grpo(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s,
+                                                          self.args.generation_shares_cpu_cores))
 
     async def __del__(self) -> None:
         """Serve's shutdown of this replica: stop the runs without changing their state (they stay RUNNING

@@ -31,8 +31,15 @@ def validate(args: argparse.Namespace) -> int:
         print(spec_to_yaml(spec), end="")
     else:
         print(f"{args.spec}: valid ({spec.policy.backend} learner, {spec.batch_size} trajectories/step, "
-              f"max staleness {spec.grpo.max_age})")
+              f"{_staleness(spec)})")
     return 0
+
+
+def _staleness(spec) -> str:
+    if spec.grpo.async_grpo.enabled == "auto":
+        return (f"max staleness {spec.grpo.max_age(cores_shared=False)}, or 0 where generation and training "
+                "share CPU cores")
+    return f"max staleness {spec.grpo.max_age(cores_shared=False)}"
 
 
 def _lora_fits(path: Path, spec) -> bool:

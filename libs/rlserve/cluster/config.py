@@ -192,6 +192,17 @@ class ClusterFile(BaseModel):
         return v
 
     @property
+    def generation_shares_cpu_cores(self) -> bool:
+        """The rollout engine generates on the CPU, on cores that a CPU learner also uses: no GPU for it, no
+        custom resources placing it on nodes of its own, and no disjoint `cpu_cores` for the engine and the
+        learner. What `async_grpo.enabled: auto` decides on."""
+        rollout, learner = self.services.rollout, self.services.learner
+        if rollout.num_gpus > 0 or rollout.resources:
+            return False
+        engine = set(rollout.args.get("cpu_cores") or rollout.cpu_cores)
+        return not (engine and learner.cpu_cores and engine.isdisjoint(learner.cpu_cores))
+
+    @property
     def loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1")
 

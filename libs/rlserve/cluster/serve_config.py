@@ -76,6 +76,7 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
         args["quotas"] = cfg.quotas.model_dump(exclude_none=True)
         args["max_concurrent_runs"] = cfg.max_concurrent_runs
+        args["generation_shares_cpu_cores"] = cfg.generation_shares_cpu_cores
         # Re-read by the coordinator when it changes (its quotas); None for a config built in code.
         args["cluster_file"] = str(cfg.source) if cfg.source else None
     if name == "gateway":

@@ -267,7 +267,10 @@ class PolicyCfg(Section):
 
 
 class AsyncGrpoCfg(Section):
-    enabled: bool = False
+    # auto: async, unless generation and training share CPU cores (a CPU-only cluster whose rollout
+    # engine and learner are not pinned to cores of their own): there they take turns on the same
+    # cores, and async measured slower than sync (BENCHMARKS.md, "rlserve against TRL").
+    enabled: bool | Literal["auto"] = False
     # How many weight versions a trajectory may lag the learner (0: on-policy); a sample's age is
     # that of the oldest version any of its tokens was generated under.
     max_trajectory_age_steps: int = Field(1, ge=0, le=64)
@@ -340,10 +343,15 @@ class GrpoCfg(Section):
             return self.num_prompts_per_step
         return int(self.batch_multiplier * self.num_prompts_per_step)
 
-    @property
-    def max_age(self) -> int:
-        """The staleness bound actually in force (0 when async is off)."""
-        return self.async_grpo.max_trajectory_age_steps if self.async_grpo.enabled else 0
+    def async_on(self, cores_shared: bool) -> bool:
+        """Whether generation runs ahead of training; `cores_shared`: generation and training would share
+        CPU cores (what `enabled: auto` decides on)."""
+        enabled = self.async_grpo.enabled
+        return not cores_shared if enabled == "auto" else enabled
+
+    def max_age(self, cores_shared: bool) -> int:
+        """The staleness bound in force (0 when async is off)."""
+        return self.async_grpo.max_trajectory_age_steps if self.async_on(cores_shared) else 0
 
 
 class DataColumnsCfg(Section):

@@ -90,7 +90,10 @@ class GrpoAttempt(Attempt):
         super().__init__(inputs, run, services, settings, recovering_since)
         spec = inputs.spec
         self.producer_state = ProducerState(PromptSampler(list(inputs.train), spec.data.seed))
-        self.queue = StepQueue(StalenessBound(spec.grpo.max_age))
+        learner_on_cpu = spec.cluster.device == "cpu" or (spec.cluster.device == "auto"
+                                                         and spec.cluster.gpus_per_worker == 0)
+        self.cores_shared = settings.generation_shares_cpu_cores and learner_on_cpu
+        self.queue = StepQueue(StalenessBound(spec.grpo.max_age(self.cores_shared)))
         self.sync = WeightSync(inputs, run, services, settings.weight_store, self.progress)
         self.validator = Validator(inputs, run, services, self.trainer_state, self.progress)
         self.checkpoints = Checkpoints(inputs, run, services, self.producer_state, self.trainer_state, self.queue,
@@ -117,6 +120,10 @@ class GrpoAttempt(Attempt):
         """Restore the last checkpoint (resuming) or configure the learner (after an SFT warm start);
         publish the policy; validate at the start."""
         run, spec, inputs = self.run, self.inputs.spec, self.inputs
+        if spec.grpo.async_grpo.enabled == "auto" and not resume_reason:
+            run.emit(pb.EVENT_KIND_INFO, "async_grpo.enabled auto: " + (
+                "sync, generation and training share the CPU cores" if self.cores_shared else
+                f"async, max trajectory age {spec.grpo.max_age(self.cores_shared)}"))
         restored = bool(resume_reason) and await self.checkpoints.restore(resume_reason, self.recovering_since)
         if not restored:
             if resume_reason:

@@ -34,6 +34,8 @@ class LoopSettings:
 
     weight_store: str
     watchdog_timeout_s: float
+    # The cluster's generation runs on the CPU, on cores a CPU learner also uses (async_grpo.enabled: auto).
+    generation_shares_cpu_cores: bool = False
 
 
 @dataclass(frozen=True)

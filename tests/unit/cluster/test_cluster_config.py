@@ -68,6 +68,22 @@ def test_quotas_reach_the_coordinator_with_the_file_that_holds_them(tmp_path):
                                              "max_samples_per_run)")
 
 
+@pytest.mark.parametrize("services, shared", [
+    ({}, True),  # the default: every process may use every core
+    ({"rollout": {"args": {"cpu_cores": [0]}}, "learner": {"cpu_cores": [1]}}, False),
+    ({"rollout": {"args": {"cpu_cores": [0, 1]}}, "learner": {"cpu_cores": [1]}}, True),
+    ({"rollout": {"cpu_cores": [0]}, "learner": {"cpu_cores": [1]}}, False),  # the transformers engine
+    ({"rollout": {"num_gpus": 0.3}}, False),
+    ({"rollout": {"resources": {"rollout_slot": 1}}}, False),  # on nodes of its own
+])
+def test_the_coordinator_knows_whether_generation_shares_the_learners_cores(tmp_path, services, shared):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"services": services}))
+    cfg, runs = load_cluster_file(path)
+    coordinator = next(a["args"] for a in serve_config(cfg, runs)["applications"] if a["name"] == "coordinator")
+    assert coordinator["generation_shares_cpu_cores"] is shared
+
+
 def test_cluster_file_errors_name_the_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"services": {"rollout": {"replica": 2}}}))

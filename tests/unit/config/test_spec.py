@@ -26,7 +26,7 @@ def problems(data) -> list[str]:
 def test_defaults_are_valid_and_round_trip():
     spec = parse_spec({})
     assert spec.policy.backend == "dtensor"
-    assert spec.grpo.max_age == 0
+    assert spec.grpo.max_age(cores_shared=False) == 0
     again = load_spec(spec_to_yaml(spec))
     assert again == spec
 
@@ -41,8 +41,17 @@ def test_nemo_rl_keys_are_accepted():
         "loss_fn": {"reference_policy_kl_penalty": 0.01, "ratio_clip_min": 0.2, "ratio_clip_max": 0.28,
                     "use_importance_sampling_correction": True, "token_level_loss": True},
     })
-    assert spec.grpo.max_age == 2
+    assert spec.grpo.max_age(cores_shared=True) == 2  # explicitly on: whatever the cluster
     assert spec.batch_size == 8
+
+
+def test_async_auto_is_sync_only_where_generation_and_training_share_cpu_cores():
+    auto = parse_spec({"grpo": {"async_grpo": {"enabled": "auto", "max_trajectory_age_steps": 2}}}).grpo
+    assert auto.max_age(cores_shared=True) == 0 and auto.max_age(cores_shared=False) == 2
+    off = parse_spec({"grpo": {"async_grpo": {"enabled": False, "max_trajectory_age_steps": 2}}}).grpo
+    assert off.max_age(cores_shared=False) == 0
+    with pytest.raises(SpecError, match="grpo.async_grpo.enabled"):
+        parse_spec({"grpo": {"async_grpo": {"enabled": "sometimes"}}})
 
 
 def test_unknown_key_names_path_and_suggests():

@@ -54,6 +54,19 @@ def test_an_async_streaming_run_trains_stale_by_at_most_the_bound(make_run):
     assert max(r["batch/staleness_max"] for r in rows) == 1  # generation ran one version ahead
 
 
+@pytest.mark.parametrize("shared, staleness", [(True, 0), (False, 1)])
+def test_async_auto_runs_sync_where_generation_and_training_share_cpu_cores(make_run, shared, staleness):
+    run, _ = make_run(grpo={"max_num_steps": 4, "async_grpo": {"enabled": "auto", "max_trajectory_age_steps": 1,
+                                                               "streaming": True, "prompts_per_request": 2}})
+    settings = LoopSettings(weight_store="fake", watchdog_timeout_s=60, generation_shares_cpu_cores=shared)
+    asyncio.run(run_grpo(run, FakeServices(generate_delay_s=0.01), settings))
+    rows = run.recorder.read("metrics.jsonl")[1:]
+    assert run.step == 4 and max(r["batch/staleness_max"] for r in rows) == staleness
+    chosen = "sync, generation and training share the CPU cores" if shared else "async, max trajectory age 1"
+    assert [ev.message for ev in run.events if ev.message.startswith("async_grpo.enabled auto")] == [
+        f"async_grpo.enabled auto: {chosen}"]
+
+
 def test_a_lost_learner_session_is_restored_from_the_last_checkpoint(make_run):
     run, _ = make_run()
     services = FakeServices(lose_state_at_version=3)  # the worker dies in step 4, after the step-2 checkpoint
