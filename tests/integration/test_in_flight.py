@@ -142,10 +142,13 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     wait_for_versions(stub, 1)
     # Without in-flight updates each replica finishes its running requests before loading, which
     # holds the transfer at its last step long enough to kill a replica in it.
-    running = [Background(long_generate, stub, 32, seed) for seed in (1, 2, 3, 4)]
+    # The replicas' actors, looked up now: the kill below must follow the observation at once.
+    replicas = {a["name"]: ray.get_actor(a["name"], namespace="serve") for a in ray.util.list_named_actors(
+        all_namespaces=True) if a["namespace"] == "serve" and "rollout" in a["name"]}
+    running = [Background(long_generate, stub, 64, seed) for seed in (1, 2, 3, 4)]
     wait_until_generating(stub, running)
     export = train_and_export(learner, 2, in_flight=False)
-    # The victim is a replica seen waiting at finish for a second: one busy with generations. A replica
+    # The victim is a replica seen waiting at finish for a while: one busy with generations. A replica
     # that Serve gave no request answers finish at once, and killing it then would kill it after the transfer.
     deadline = time.time() + 120
     waiting_since: dict[str, float] = {}
@@ -153,15 +156,13 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
         pending = ray.get(fleet.pending.remote())
         now = time.time()
         waiting_since = {m: waiting_since.get(m, now) for m, kinds in pending.items() if "finish" in kinds}
-        held = [m for m, since in waiting_since.items() if now - since >= 1.0]
+        held = [m for m, since in waiting_since.items() if now - since >= 0.3]
         if held:
             break
         assert now < deadline and export.is_alive(), f"the transfer never waited at finish: {pending}"
         time.sleep(0.02)
     victim = held[0]
-    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
-              if a["namespace"] == "serve" and "rollout" in a["name"] and victim in a["name"]]
-    ray.kill(ray.get_actor(actors[0]["name"], namespace="serve"), no_restart=True)
+    ray.kill(next(actor for name, actor in replicas.items() if victim in name), no_restart=True)
 
     exported = export.get()
     assert exported.weight_version == 2 and exported.receivers == 2
