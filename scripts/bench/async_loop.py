@@ -27,7 +27,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench.common import record, table  # noqa: E402
+from scripts.bench.common import default_cluster_data, record, table  # noqa: E402
 
 SPEC = {
     "name": "bench-async",
@@ -56,11 +56,7 @@ def parse_mode(mode: str) -> tuple[str, int]:
 
 
 def cluster_data(root: Path, pin: bool, kv_cache: str) -> dict:
-    import yaml
-
-    from rlserve.cluster.config import default_cluster_file
-
-    data = yaml.safe_load(default_cluster_file().read_text())
+    data = default_cluster_data("vllm")  # in-flight updates and pinned engine cores are vLLM's
     data.update({"ray_port": 6780, "grpc_port": 9300, "runs_dir": str(root / "runs")})
     data["services"]["rollout"]["args"]["in_flight_kv_cache"] = kv_cache
     if pin:

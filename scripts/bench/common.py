@@ -76,3 +76,19 @@ def plot_curves(panels: dict[str, dict[str, list[dict[str, float]]]], xs: list[t
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def default_cluster_data(rollout_engine: str | None = None) -> dict[str, Any]:
+    """The embedded default cluster file as a dict; `rollout_engine: vllm` swaps its rollout to vLLM's CPU
+    engine with the direct gloo transfer, for the benchmarks that measure what only vLLM does (streaming,
+    in-flight updates, batched LoRA adapters, pinned engine cores)."""
+    import yaml
+
+    from rlserve.cluster.config import default_cluster_file
+
+    data = yaml.safe_load(default_cluster_file().read_text())
+    if rollout_engine == "vllm":
+        data["services"]["rollout"]["args"].update(engine="vllm", weight_transfer="gloo", kv_cache_gb=1)
+    elif rollout_engine is not None:
+        data["services"]["rollout"]["args"]["engine"] = rollout_engine
+    return data

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import record, table  # noqa: E402
+from scripts.bench.common import default_cluster_data, record, table  # noqa: E402
 from scripts.bench.curves import load_example, warm_start_spec  # noqa: E402
 
 BROKEN_PLUGIN = "def reward(item):\n    raise ValueError('the grader is broken')\n"
@@ -57,9 +57,7 @@ def lora_spec(name: str, start: Path, steps: int, sync: bool, **top: object) -> 
 def cluster_file(root: Path, rollout_model: str | None) -> Path:
     import yaml
 
-    from rlserve.cluster.config import default_cluster_file
-
-    data = yaml.safe_load(default_cluster_file().read_text())
+    data = default_cluster_data("vllm")  # vLLM batches the runs' adapters together
     data.update({"ray_port": 6784, "grpc_port": 9304, "runs_dir": str(root / "runs"),
                  "model_dirs": [str(root / "models")], "data_dirs": [str(root / "data")], "max_concurrent_runs": 2})
     if rollout_model is not None:

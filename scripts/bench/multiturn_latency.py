@@ -30,7 +30,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import record, sync_or_async_ages, table  # noqa: E402
+from scripts.bench.common import default_cluster_data, record, sync_or_async_ages, table  # noqa: E402
 from scripts.bench.curves import load_example, watch  # noqa: E402
 
 PLUGIN = f"{ROOT / 'scripts' / 'bench' / 'envs' / 'slow_guess.py'}:SlowGuessNumber"
@@ -85,13 +85,13 @@ def main() -> None:
     import yaml
 
     from rlserve.clients.coordinator import CoordinatorClient
-    from rlserve.cluster.config import default_cluster_file, load_cluster_file
+    from rlserve.cluster.config import load_cluster_file
     from rlserve.cluster.lifecycle import Cluster, down, up
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-bench-"))
     start = root / "models" / "guess-sft"
-    data = yaml.safe_load(default_cluster_file().read_text())
+    data = default_cluster_data("vllm")  # vLLM serves the episodes' turns concurrently
     data.update({"ray_port": 6785, "grpc_port": 9305, "runs_dir": str(root / "runs"),
                  "model_dirs": [str(root / "models")]})
     data["reward"]["allowed_plugins"] = [PLUGIN]

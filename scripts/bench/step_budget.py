@@ -4,9 +4,10 @@ has a name and a size.
 
 The run is `examples/grpo_addition.yaml` without its SFT warm start (64 prompts x 8 samples, 6 new
 tokens, 2 optimizer updates a step; partial credit, and every group trains), synchronous and async (max age 1), on the default cluster
-`make demo` uses (`shared`: every process may use every core) and with generation and training on
-separate cores (`split`: `examples/cluster_cpu_split.yaml`'s layout, vLLM's engine on core 0, the
-rest on core 1), side by side in one invocation; `vs_sync_shared` is the speed-up over the first. Per mode, the medians over the steps after
+`make demo` uses (`shared`: every process may use every core; the transformers engine, new weights
+handed over in shared memory), on the same layout with vLLM's CPU engine and its direct gloo transfer
+(`shared-vllm`), and with generation and training on separate cores (`split`:
+`examples/cluster_cpu_split.yaml`'s layout, vLLM's engine on core 0, the rest on core 1), side by side in one invocation; `vs_sync_shared` is the speed-up over the first. Per mode, the medians over the steps after
 the first two (engine warm-up) of:
 
 - generate, reward, reference: the Generate / Score / LogProbs calls' wall seconds and the services'
@@ -19,7 +20,7 @@ the first two (engine warm-up) of:
 `overhead` is the step's wall time outside engine and learner compute: step - learner step -
 min(wait for rollouts, engine compute); issue 27's target is 10% or less.
 
-    .venv/bin/python scripts/bench/step_budget.py [--steps 12] [--modes sync async-1] [--layouts shared split]
+    .venv/bin/python scripts/bench/step_budget.py [--steps 12] [--modes sync async-1] [--layouts shared shared-vllm split]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import record, sync_or_async_ages, table  # noqa: E402
+from scripts.bench.common import default_cluster_data, record, sync_or_async_ages, table  # noqa: E402
 
 COLUMNS = ["mode", "layout", "component", "wall_s", "compute_s", "gap_s", "share_of_step", "vs_sync_shared"]
 # component -> (wall metric, compute: the wall minus this plumbing metric, or this compute metric)
@@ -68,9 +69,7 @@ def demo_spec(steps: int, age: int) -> dict:
 def cluster_data(root: Path, layout: str) -> dict:
     import yaml
 
-    from rlserve.cluster.config import default_cluster_file
-
-    data = yaml.safe_load(default_cluster_file().read_text())
+    data = default_cluster_data(None if layout == "shared" else "vllm")
     data.update({"ray_port": 6781, "grpc_port": 9301, "runs_dir": str(root / "runs")})
     if layout == "split":
         split = yaml.safe_load((ROOT / "examples" / "cluster_cpu_split.yaml").read_text())
@@ -109,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--modes", nargs="+", default=["sync", "async-1"], help="sync or async-AGE")
-    parser.add_argument("--layouts", nargs="+", default=["shared", "split"], choices=["shared", "split"])
+    parser.add_argument("--layouts", nargs="+", default=["shared", "shared-vllm", "split"], choices=["shared", "shared-vllm", "split"])
     args = parser.parse_args()
     if args.steps < 4:
         parser.error("--steps must be at least 4: the first 2 steps (engine warm-up) are not counted")

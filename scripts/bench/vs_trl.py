@@ -5,15 +5,20 @@ cluster's model directory), take the same training prompts in the same order (rl
 order, given to TRL with its shuffling off), and use the demo's hyperparameters: 64 prompts x 8
 samples, temperature 1, 6 new tokens, lr 1e-4 (AdamW, constant), no KL, clip 0.2, token-level loss
 (TRL's `dapo`), rewards normalised per group, 2 updates of 256 a step, 60 steps, exact match, greedy
-held-out reward on the same 128 prompts every 10 steps. rlserve runs sync, async (max age 1: `make
-demo`'s mode) and streaming with in-flight updates; TRL runs in a separate environment
+held-out reward on the same 128 prompts every 10 steps. rlserve runs sync (`make demo`'s mode on a
+2-core machine), async (max age 1) and streaming with in-flight updates, each on a cluster whose rollout engine is
+transformers' `generate` with the shared-memory weight handoff (the default cluster's: rlserve's
+colocated mode on one machine) and on one with vLLM's CPU engine and its direct gloo transfer; TRL runs in a separate environment
 (`bench-envs/trl`: a venv that sees the project's packages through a .pth file and adds TRL and its
 own dependencies, never touching the project's lock), in-process transformers generation.
 
-Reported per system: train seconds (evaluation excluded), trajectories trained per second, train
+Reported per system: train seconds (evaluation excluded), trajectories per second (generated, scored
+and given to the loss, 512 a step in both systems; rlserve also reports the share it trained on, after
+dropping groups without reward variance, which TRL trains at zero advantage), train
 seconds to held-out 0.7, held-out at 60; ratios to TRL; curves in one PNG.
 
-    .venv/bin/python scripts/bench/vs_trl.py [--steps 60] [--modes sync async stream] [--trl-version 1.16.0]
+    .venv/bin/python scripts/bench/vs_trl.py [--steps 60] [--modes sync async stream] [--engines transformers vllm]
+        [--trl-version 1.16.0]
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import RESULTS_DIR, plot_curves, record, table  # noqa: E402
+from scripts.bench.common import RESULTS_DIR, default_cluster_data, plot_curves, record, table  # noqa: E402
 from scripts.bench.curves import load_example, merged, warm_start_spec, watch  # noqa: E402
 
 TRL_ENV = ROOT / "bench-envs" / "trl"
@@ -42,7 +47,7 @@ MODES = {
     "async": ("grpo_addition.yaml", {"grpo": {"async_grpo": {"enabled": True}}}),
     "stream": ("grpo_addition_in_flight.yaml", {}),
 }
-COLUMNS = ["system", "train_s", "trajectories_per_s", "vs_trl", "s_to_0.7", "val_at_end"]
+COLUMNS = ["system", "train_s", "trajectories_per_s", "vs_trl", "trained_share", "s_to_0.7", "val_at_end"]
 
 
 def trl_python(version: str) -> Path:
@@ -66,10 +71,12 @@ def trl_python(version: str) -> Path:
     return python
 
 
-def rlserve_points(events: list) -> list[dict]:
+def rlserve_points(events: list, per_step: int) -> list[dict]:
     """(steps, train seconds, trajectories, held-out) at each validation. Train seconds are the steps' own
     (`timing/step_s`: generation or waiting for it, training, weight sync), validations left out. A step's
-    STEP event comes after the validation that follows it: a validation's step is its weight version."""
+    STEP event comes after the validation that follows it: a validation's step is its weight version.
+    Trajectories are those generated and scored (`per_step` a step), as TRL's are counted; `trained` leaves
+    out the groups rlserve drops for having no reward variance (TRL computes them, at zero advantage)."""
     from rlserve.v1 import coordinator_pb2 as pb
 
     steps = [ev.metrics for ev in events if ev.kind == pb.EVENT_KIND_STEP]
@@ -78,7 +85,8 @@ def rlserve_points(events: list) -> list[dict]:
         if ev.kind == pb.EVENT_KIND_VALIDATION and "val/reward" in ev.metrics:
             done = steps[:int(ev.metrics["val/weight_version"])]
             points.append({"step": len(done), "train_s": sum(m["timing/step_s"] for m in done),
-                           "trajectories": sum(m.get("batch/trajectories_trained", 0.0) for m in done),
+                           "trajectories": len(done) * per_step,
+                           "trained": sum(m.get("batch/trajectories_trained", 0.0) for m in done),
                            "val_reward": ev.metrics["val/reward"]})
     return points
 
@@ -86,6 +94,7 @@ def rlserve_points(events: list) -> list[dict]:
 def row(system: str, points: list[dict]) -> dict:
     end = points[-1]
     return {"system": system, "train_s": end["train_s"], "trajectories_per_s": end["trajectories"] / end["train_s"],
+            "trained_share": end.get("trained", end["trajectories"]) / end["trajectories"],
             "s_to_0.7": next((p["train_s"] for p in points if p["val_reward"] >= 0.7), math.nan),
             "val_at_end": end["val_reward"]}
 
@@ -116,41 +125,47 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"],
+                        help="the rollout engine of each cluster, every mode on each")
     parser.add_argument("--trl-version", default="1.16.0")
     args = parser.parse_args()
 
     import yaml
 
     from rlserve.clients.coordinator import CoordinatorClient
-    from rlserve.cluster.config import default_cluster_file, load_cluster_file
+    from rlserve.cluster.config import load_cluster_file
     from rlserve.cluster.lifecycle import Cluster, down, up
 
     python = trl_python(args.trl_version)
     root = Path(tempfile.mkdtemp(prefix="rlserve-vs-trl-"))
     models_dir = root / "models"
     models_dir.mkdir()
-    data = yaml.safe_load(default_cluster_file().read_text())
-    data.update({"ray_port": 6787, "grpc_port": 9307, "runs_dir": str(root / "runs"), "model_dirs": [str(models_dir)]})
-    cluster_file = root / "cluster.yaml"
-    cluster_file.write_text(yaml.safe_dump(data))
-    cluster = Cluster(*load_cluster_file(cluster_file))
+    start = models_dir / "start"
     curves: dict[str, list[dict]] = {}
-    up(cluster)
-    try:
-        with CoordinatorClient(cluster.grpc_endpoint) as client:
-            run_id, _ = watch(client, warm_start_spec("addition", root / "data"))
-            start = models_dir / "start"
-            shutil.copytree(root / "runs" / run_id / "sft_model", start)
-            for mode in args.modes:
-                example, keys = MODES[mode]
-                spec = merged(load_example(example), keys)
-                spec.update({"name": f"vs-trl-{mode}", "sft": {"enabled": False}, "checkpointing": {"enabled": False}})
-                spec["policy"]["model_name"] = str(start)
-                spec["grpo"]["max_num_steps"] = args.steps
-                curves[f"rlserve {mode}"] = rlserve_points(watch(client, spec)[1])
-                print(table([row(f"rlserve {mode}", curves[f"rlserve {mode}"])], COLUMNS), flush=True)
-    finally:
-        down(cluster)
+    for engine in args.engines:
+        data = default_cluster_data(engine)
+        data.update({"ray_port": 6787, "grpc_port": 9307, "runs_dir": str(root / "runs"), "model_dirs": [str(models_dir)]})
+        cluster_file = root / "cluster.yaml"
+        cluster_file.write_text(yaml.safe_dump(data))
+        cluster = Cluster(*load_cluster_file(cluster_file))
+        up(cluster)
+        try:
+            with CoordinatorClient(cluster.grpc_endpoint) as client:
+                if not start.exists():
+                    run_id, _ = watch(client, warm_start_spec("addition", root / "data"))
+                    shutil.copytree(root / "runs" / run_id / "sft_model", start)
+                for mode in args.modes:
+                    example, keys = MODES[mode]
+                    spec = merged(load_example(example), keys)
+                    spec.update({"name": f"vs-trl-{mode}", "sft": {"enabled": False}, "checkpointing": {"enabled": False}})
+                    spec["policy"]["model_name"] = str(start)
+                    spec["grpo"]["max_num_steps"] = args.steps
+                    system = f"rlserve {mode}, {engine}"
+                    per_step = spec["grpo"]["num_prompts_per_step"] * spec["grpo"]["num_generations_per_prompt"]
+                    curves[system] = rlserve_points(watch(client, spec)[1], per_step)
+                    print(table([row(system, curves[system])], COLUMNS), flush=True)
+        finally:
+            down(cluster)
     spec = merged(load_example("grpo_addition.yaml"), {"policy": {"model_name": str(start)}})
     (root / "trl.json").write_text(json.dumps(trl_inputs(spec, start, args.steps)))
     subprocess.run([str(python), str(ROOT / "scripts" / "bench" / "trl_grpo.py"), "--data", str(root / "trl.json"),

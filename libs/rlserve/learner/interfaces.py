@@ -119,7 +119,7 @@ class LearnerBackend(ABC):
         """HF checkpoint-named full tensors (with LoRA: the adapter's, PEFT-named), one at a time. Every
         rank must exhaust the iterator (gathers are collective); only rank 0 gets the tensors, other
         ranks get empty placeholders. In host memory, or with `on_device` left on the learner's device
-        (a same-GPU handoff, `rlserve.weights.cuda_ipc`); a device tensor may be the live parameter."""
+        (a same-device handoff, `rlserve.weights.handoff`); a device tensor may be the live parameter."""
 
     def save_checkpoint(self, path: Path) -> None:
         """Model, optimizer, RNG, lr schedule and version, in the layout of `rlserve.learner.checkpoint`."""

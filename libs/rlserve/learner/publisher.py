@@ -8,7 +8,7 @@ each tensor goes
   (`WeightTransferTrainerFactory.trainer_init` with the engine the replicas
   run: `gloo`, `nccl` or `ipc`; `FleetClient` reaches the replicas through the
   fleet, `rlserve.weights.fleet`), or, for engines on the learner's own GPU
-  without vLLM, by rlserve's CUDA IPC handoff (`rlserve.weights.cuda_ipc`), and
+  without vLLM, by rlserve's same-device handoff (`rlserve.weights.handoff`: CUDA IPC or shared memory), and
 - into the object store, bucket by bucket (`rlserve.weights.buckets`): the one
   copy that replicas starting later catch up from, published in the weight
   store (`rlserve.weights.store`) and then announced to the fleet, so that a
@@ -40,7 +40,7 @@ import torch
 
 from rlserve.learner.interfaces import LearnerBackend
 from rlserve.logs import event
-from rlserve.weights import cuda_ipc
+from rlserve.weights import handoff as same_device
 from rlserve.weights.buckets import BucketWriter, to_host
 from rlserve.weights.fleet import Member
 
@@ -247,7 +247,7 @@ class Publisher:
                    and self.backend.adapter_config is None and not shared_base else [])
         # A same-GPU handoff keeps the store copy's buckets in host memory (a snapshot: training may change
         # the weights next) and puts them into the object store after the round, off the step's path.
-        handoff = bool(members) and members[0].transfer_backend == cuda_ipc.BACKEND
+        handoff = bool(members) and members[0].transfer_backend == same_device.BACKEND
         refs: list[ray.ObjectRef] = []
         held: list[dict[str, torch.Tensor]] = []
         copy = BucketWriter(self.bucket_bytes, held.append if handoff else lambda bucket: refs.append(ray.put(bucket)))
@@ -336,8 +336,8 @@ class Publisher:
         self._client = FleetClient(self.fleet, members, self.timeout_s)
         backend = members[0].transfer_backend
         world_size = 1 + sum(m.num_workers for m in members)
-        if backend == cuda_ipc.BACKEND:  # rlserve's own handoff: nodes that use it have no vLLM
-            self._engine = cuda_ipc.CudaIpcSender.trainer_init(self._client, self.source, self.bucket_bytes,
+        if backend == same_device.BACKEND:  # rlserve's own handoff: nodes that use it have no vLLM
+            self._engine = same_device.HandoffSender.trainer_init(self._client, self.source, self.bucket_bytes,
                                                                self.backend.device)
         else:
             from vllm.distributed.weight_transfer import WeightTransferTrainerFactory

@@ -148,7 +148,7 @@ class WeightFollower:
             info = payload["update_info"]
             got = {n: TensorSpec(tuple(s), getattr(torch, d)) for n, d, s in zip(
                 info["names"], info["dtype_names"], info["shapes"])}
-            # A bucketed round (`cuda_ipc`) sends its tensors in parts: the whole is checked at finish.
+            # A bucketed round (`handoff`) sends its tensors in parts: the whole is checked at finish.
             problems = check_update(self.specs, got, complete=not info.get("bucket"))
             if problems:
                 await self._abort()

@@ -24,7 +24,7 @@ from rlserve.rollout.interfaces import (
     RunAdapter,
     SamplingSpec,
 )
-from rlserve.weights import adapter, cuda_ipc
+from rlserve.weights import adapter, handoff
 from rlserve.weights.digest import weight_digests
 
 
@@ -41,11 +41,8 @@ class TransformersEngine(BatchEngine):
             raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        if cfg.weight_transfer == "ipc":
-            if self.device.type != "cuda":
-                raise ValueError(f"weight_transfer: ipc hands weights over on one GPU; this engine runs on "
-                                 f"{self.device.type} (use none: the weight store)")
-            self.transfer_backend = cuda_ipc.BACKEND
+        if cfg.weight_transfer == "ipc":  # on a GPU by CUDA IPC, on the CPU through shared memory
+            self.transfer_backend = handoff.BACKEND
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)

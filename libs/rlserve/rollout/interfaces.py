@@ -47,7 +47,8 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     # vLLM weight-transfer engine the learner sends new weights through: "gloo" (CPU, registered by
     # rlserve), "nccl" (GPUs on different processes), "ipc" (learner and engine share a GPU; for the
-    # transformers engine, rlserve's own same-GPU handoff, `rlserve.weights.cuda_ipc`); "none" takes
+    # transformers engine, rlserve's own same-device handoff, `rlserve.weights.handoff`: CUDA IPC on
+    # a GPU, shared memory on the CPU); "none" takes
     # weights only from the weight store (the transformers engine's only other choice: it ignores gloo
     # and nccl).
     weight_transfer: Literal["gloo", "nccl", "ipc", "none"] = "gloo"
@@ -234,8 +235,8 @@ class BatchEngine(ABC):
     """A synchronous engine: one batch at a time (wrap it in `serialized.Serialized`)."""
 
     name: str
-    # `cuda_ipc` where the learner may hand weights over on the engine's own GPU
-    # (`rlserve.weights.cuda_ipc`, into `device`); None: the weight store only.
+    # `handoff` where the learner may hand weights over on the engine's own device
+    # (`rlserve.weights.handoff`, into `device`); None: the weight store only.
     transfer_backend: str | None = None
     device: torch.device
 

@@ -7,7 +7,7 @@ keeps the lock until its thread is done (`in_thread_to_the_end`): the engine
 is not re-entrant. Runs' adapters
 (`RunAdapter`) take turns like everything else: one batch of one adapter at a
 time. This is the transformers engine's simple path; vLLM's engine serves concurrently instead.
-A same-GPU handoff from the learner (`rlserve.weights.cuda_ipc`) stages its
+A same-device handoff from the learner (`rlserve.weights.handoff`) stages its
 bytes while the engine generates and loads them under the lock.
 """
 
@@ -32,7 +32,7 @@ from rlserve.rollout.interfaces import (
     VersionRun,
 )
 from rlserve.threads import in_thread_to_the_end
-from rlserve.weights.cuda_ipc import CudaIpcReceiver
+from rlserve.weights.handoff import HandoffReceiver
 
 
 class Serialized(RolloutEngine):
@@ -42,9 +42,9 @@ class Serialized(RolloutEngine):
         self._lock = asyncio.Lock()
         self._version = 0
         self._activity = Activity()
-        # A same-GPU handoff stages the bytes while the engine generates; the model changes at finish.
+        # A same-device handoff stages the bytes while the engine generates; the model changes at finish.
         self.transfer_backend = engine.transfer_backend
-        self._receiver = CudaIpcReceiver(engine.device) if engine.transfer_backend else None
+        self._receiver = HandoffReceiver(engine.device) if engine.transfer_backend else None
 
     @property
     def version(self) -> int:
@@ -85,10 +85,10 @@ class Serialized(RolloutEngine):
         async with self._lock:
             await in_thread_to_the_end(self.engine.drop_adapter, adapter_id)
 
-    def _handoff(self) -> CudaIpcReceiver:
+    def _handoff(self) -> HandoffReceiver:
         if self._receiver is None:
             raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only "
-                                      f"(weight_transfer: ipc hands them over on its GPU)")
+                                      f"(weight_transfer: ipc hands them over on its device)")
         return self._receiver
 
     async def init_weight_transfer(self, init_info: dict) -> None:
