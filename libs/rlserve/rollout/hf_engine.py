@@ -6,6 +6,7 @@ that vLLM's numbers are compared with. Same contract as the vLLM engine.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -41,6 +42,8 @@ class TransformersEngine(BatchEngine):
             raise ValueError("in_flight_kv_cache: the transformers engine applies updates between requests only")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
         if cfg.weight_transfer == "ipc":  # on a GPU by CUDA IPC, on the CPU through shared memory
             self.transfer_backend = handoff.BACKEND
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)

@@ -88,6 +88,8 @@ class VllmEngine(RolloutEngine):
     name = "vllm"
 
     def __init__(self, cfg: EngineConfig):
+        if cfg.torch_threads:
+            raise ValueError("torch_threads: the transformers engine's; vLLM's CPU threads follow cpu_cores")
         # Read by vLLM at import and engine start: the AsyncLLM needs its engine-core process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
