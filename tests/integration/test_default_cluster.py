@@ -45,7 +45,7 @@ def test_a_run_on_the_default_cluster_hands_weights_over_in_shared_memory(defaul
     with default_cluster.channel(default_cluster.token(admin=True)) as channel:
         served = rollout_pb2_grpc.RolloutStub(channel).GetInfo(rollout_pb2.GetInfoRequest(weight_digests=True),
                                                                timeout=120)
-    assert served.engine == "transformers" and served.weight_transfer == "ipc"
+    assert served.engine == "transformers" and served.weight_transfer == "handoff"
     expected = folder_digests(default_cluster.runs_dir / run.run_id / "final_model")
     assert served.weight_sha256 and not differences(expected, dict(served.weight_sha256)), \
         differences(expected, dict(served.weight_sha256))[:10]
