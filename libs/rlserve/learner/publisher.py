@@ -108,9 +108,11 @@ class FleetClient:
     def live_members(self) -> list[str]:
         return [m.member_id for m in self.members if m.member_id not in self.failed]
 
-    def update_weights_each(self, update_infos: dict[str, dict[str, Any]]) -> None:
-        """`update_weights` with each member's own info (a CUDA IPC handle is one consumer's)."""
-        self._fan_out("update", {member_id: {"update_info": info} for member_id, info in update_infos.items()})
+    def update_weights_each(self, update_infos: dict[str, dict[str, Any]], last: bool = False) -> None:
+        """`update_weights` with each member's own info (a CUDA IPC handle is one consumer's). `last`: the
+        round's finish travels with this update (a round trip fewer); do not call `finish_weight_update`."""
+        extra = {"finish": self.round} if last else {}
+        self._fan_out("update", {member_id: {"update_info": info, **extra} for member_id, info in update_infos.items()})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         del weight_version  # the round's version is stamped by each engine

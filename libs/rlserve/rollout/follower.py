@@ -155,21 +155,26 @@ class WeightFollower:
                 raise invalid_argument("weights", "; ".join(problems[:5]))
             self._direct.setdefault("received", {}).update(got)
             await engine.update_weights(info)
+            if payload.get("finish") is not None:  # a round's finish may travel with its last step
+                await self._finish(payload["finish"])
         elif kind == "finish":
-            t0 = time.perf_counter()
-            missing = check_update(self.specs, self._direct.get("received", {}))
-            if missing:
-                await self._abort()
-                raise invalid_argument("weights", "; ".join(missing[:5]))
-            self._direct = {}
-            await engine.finish_weight_update(payload["version"], payload["in_flight"])
-            self.run_id, self._direct_version = payload["run_id"], payload["version"]
-            event(log, "rollout.weights_applied", replica=self.replica_id, run=self.run_id or None,
-                  version=payload["version"], source="direct", apply_s=time.perf_counter() - t0)
+            await self._finish(payload)
         elif kind == "abort":
             await self._abort()
         else:
             raise invalid_argument("command", f"unknown weight command {kind!r}")
+
+    async def _finish(self, round_: dict) -> None:
+        t0 = time.perf_counter()
+        missing = check_update(self.specs, self._direct.get("received", {}))
+        if missing:
+            await self._abort()
+            raise invalid_argument("weights", "; ".join(missing[:5]))
+        self._direct = {}
+        await self.engine.finish_weight_update(round_["version"], round_["in_flight"])
+        self.run_id, self._direct_version = round_["run_id"], round_["version"]
+        event(log, "rollout.weights_applied", replica=self.replica_id, run=self.run_id or None,
+              version=round_["version"], source="direct", apply_s=time.perf_counter() - t0)
 
     async def _abort(self) -> None:
         self._direct = {}

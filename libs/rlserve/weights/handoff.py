@@ -16,8 +16,8 @@ arrive and a round that fails leaves the old weights serving.
 
 Costs: one bucket on the sender, one model-sized staging buffer on the
 receiver, two copies on the device. Same control path as `gloo_transfer`
-(the publisher's fleet client drives init, an update per bucket with the
-round's start riding on the first, finish), without vLLM: the nodes that use
+(the publisher's fleet client drives init and an update per bucket, the
+round's start riding on the first and its finish on the last), without vLLM: the nodes that use
 it run the transformers engine. Handles only open where they were made, so
 `init` carries the sender's device identity (the GPU's UUID, or this boot of
 this host) and an engine elsewhere refuses the round (it then catches up
@@ -31,7 +31,7 @@ import re
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,25 +146,35 @@ class HandoffSender:
         return cls(client, source, bucket_bytes, device)
 
     def send_weights(self) -> None:
-        meta = self.source.metadata()
         self.bytes_sent = 0
         self.client.start_weight_update()
+        buckets = self._buckets()
+        # One bucket is held back, so the round's finish travels with its last (one round trip fewer).
+        pending = next(buckets, None)
+        for bucket in buckets:
+            self._hand_over(pending)
+            pending = bucket
+        if pending is None:
+            self.client.finish_weight_update()
+        else:
+            self._hand_over(pending, last=True)
+
+    def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in checked(self.source, meta):
+        for name, tensor in checked(self.source, self.source.metadata()):
             if bucket and size + _aligned(tensor_bytes(tensor)) > self.bucket_bytes:
-                self._hand_over(bucket)
+                yield bucket
                 bucket, size = [], 0
             bucket.append((name, tensor))
             size += _aligned(tensor_bytes(tensor))
         if bucket:
-            self._hand_over(bucket)
-        self.client.finish_weight_update()
+            yield bucket
 
     def shutdown(self) -> None:
         """Nothing outlives a round: each bucket is freed once its receivers copied it."""
 
-    def _hand_over(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _hand_over(self, bucket: list[tuple[str, torch.Tensor]], last: bool = False) -> None:
         members = self.client.live_members()
         names = [name for name, _ in bucket]
         if self.device.type == "cuda":
@@ -182,7 +192,7 @@ class HandoffSender:
                 "layout": layout, "bucket": True}
         try:
             # Each receiver copies before it answers; only then may the buffer go.
-            self.client.update_weights_each({m: {**info, "handle": handles[m]} for m in members})
+            self.client.update_weights_each({m: {**info, "handle": handles[m]} for m in members}, last=last)
         finally:
             del flat
             release()

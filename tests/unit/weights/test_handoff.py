@@ -52,6 +52,8 @@ class _Fleet:
     def __init__(self, boxes):
         self.boxes = boxes
         self.files: list[str] = []
+        self.lasts: list[bool] = []
+        self.finished_alone = False
 
     def init_weight_transfer_engine(self, info: dict) -> None:
         self.init_info = info
@@ -62,7 +64,8 @@ class _Fleet:
     def live_members(self) -> list[int]:
         return list(range(len(self.boxes)))
 
-    def update_weights_each(self, infos: dict) -> None:
+    def update_weights_each(self, infos: dict, last: bool = False) -> None:
+        self.lasts.append(last)
         for member, info in infos.items():
             path = info["handle"]["file"]
             self.files.append(path)
@@ -72,7 +75,7 @@ class _Fleet:
             assert outbox.get(timeout=120) == "copied"
 
     def finish_weight_update(self) -> None:
-        pass
+        self.finished_alone = True
 
 
 class _Source:
@@ -109,6 +112,8 @@ def test_two_receiver_processes_stage_every_bucket_bit_exact_and_no_file_is_left
             p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs)
     assert len(set(fleet.files)) == 2
+    # The round's finish travelled with its last bucket.
+    assert fleet.lasts == [False, True] and not fleet.finished_alone
     assert not any(os.path.exists(f) for f in fleet.files), "a bucket's shared-memory file outlived its round"
     for got in staged:
         for name, t in tensors:
