@@ -15,7 +15,8 @@ own dependencies, never touching the project's lock), in-process transformers ge
 Reported per system: train seconds (evaluation excluded), trajectories per second (generated, scored
 and given to the loss, 512 a step in both systems; rlserve also reports the share it trained on, after
 dropping groups without reward variance, which TRL trains at zero advantage), train
-seconds to held-out 0.7, held-out at 60; ratios to TRL; curves in one PNG.
+seconds to held-out 0.7 (at the first validation at or above it, and interpolated between validations),
+held-out at 60; ratios to TRL; curves in one PNG.
 
     .venv/bin/python scripts/bench/vs_trl.py [--steps 60] [--modes sync async stream] [--engines transformers vllm]
         [--trl-version 1.16.0]
@@ -47,7 +48,8 @@ MODES = {
     "async": ("grpo_addition.yaml", {"grpo": {"async_grpo": {"enabled": True}}}),
     "stream": ("grpo_addition_in_flight.yaml", {}),
 }
-COLUMNS = ["system", "train_s", "trajectories_per_s", "vs_trl", "trained_share", "s_to_0.7", "val_at_end"]
+COLUMNS = ["system", "train_s", "trajectories_per_s", "vs_trl", "trained_share", "s_to_0.7", "s_to_0.7_interp",
+           "val_at_end"]
 
 
 def trl_python(version: str) -> Path:
@@ -96,7 +98,17 @@ def row(system: str, points: list[dict]) -> dict:
     return {"system": system, "train_s": end["train_s"], "trajectories_per_s": end["trajectories"] / end["train_s"],
             "trained_share": end.get("trained", end["trajectories"]) / end["trajectories"],
             "s_to_0.7": next((p["train_s"] for p in points if p["val_reward"] >= 0.7), math.nan),
-            "val_at_end": end["val_reward"]}
+            "s_to_0.7_interp": crossing(points, 0.7), "val_at_end": end["val_reward"]}
+
+
+def crossing(points: list[dict], level: float) -> float:
+    """Train seconds where held-out reward first reaches `level`, linear between the two validations around
+    it (validations every 10 steps make the first one at or above `level` a coarse clock)."""
+    for before, after in zip(points, points[1:]):
+        if after["val_reward"] >= level > before["val_reward"]:
+            frac = (level - before["val_reward"]) / (after["val_reward"] - before["val_reward"])
+            return before["train_s"] + frac * (after["train_s"] - before["train_s"])
+    return points[0]["train_s"] if points and points[0]["val_reward"] >= level else math.nan
 
 
 def trl_inputs(spec: dict, start: Path, steps: int) -> dict:
