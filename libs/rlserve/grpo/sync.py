@@ -21,16 +21,20 @@ class WeightSync:
 
     async def publish(self) -> dict[str, float]:
         """Learner -> rollout engines (directly where they run a weight-transfer engine) and the weight store;
-        then make sure a replica serves it (one that missed the direct transfer loads the store copy)."""
+        then, unless every replica took it directly, make sure a replica serves it (one that missed the direct
+        transfer loads the store copy)."""
         in_flight = self.inputs.spec.grpo.async_grpo.in_flight_weight_updates
         shared = self.inputs.spec.shares_deployed_base
         t0 = time.perf_counter()
         exported = await self.services.export_weights(learner_pb2.ExportWeightsRequest(
             run_id=self.inputs.run_id, store_name=self.weight_store, direct=True, in_flight=in_flight,
             shared_base=shared))
-        applied = await self.services.update_weights(rollout_pb2.UpdateWeightsRequest(
-            version=exported.weight_version, store_name=self.weight_store, in_flight=in_flight,
-            run_id=self.inputs.run_id if shared else "", shared_base=shared))
+        if exported.receivers and not exported.failed:  # every replica in the fleet loaded it at the round's finish
+            applied = rollout_pb2.UpdateWeightsResponse(weight_version=exported.weight_version)
+        else:
+            applied = await self.services.update_weights(rollout_pb2.UpdateWeightsRequest(
+                version=exported.weight_version, store_name=self.weight_store, in_flight=in_flight,
+                run_id=self.inputs.run_id if shared else "", shared_base=shared))
         seconds = time.perf_counter() - t0
         self.run.version = exported.weight_version
         how = (f"sent directly to {exported.receivers} rollout replicas" if exported.receivers else
