@@ -190,7 +190,7 @@ def main() -> None:
     print(table(rows, COLUMNS))
     RESULTS_DIR.mkdir(exist_ok=True)
     plot_curves({"demo task": curves}, [("train_s", "train seconds (evaluation excluded)"),
-                                        ("trajectories", "trajectories trained")], RESULTS_DIR / "vs_trl.png", 0.7)
+                                        ("trajectories", "trajectories generated")], RESULTS_DIR / "vs_trl.png", 0.7)
     print("wrote", RESULTS_DIR / "vs_trl.png", record("vs_trl", rows, {"steps": args.steps, "curves": curves,
                                                                     "trl_version": args.trl_version}))
 
