@@ -15,7 +15,7 @@ each tensor goes
   replica the direct transfer missed loads it at once.
 
 Rank 0 holds at most a bucket of tensors for each of the two at a time, never
-the model, except after a same-GPU handoff that reached every engine: then the
+the model, except after a same-device handoff that reached every engine: then the
 store copy is a host-memory snapshot of the model, put into the object store
 by a background thread after the round (off the step's path: it took 2.8 s of a
 3.9 s weight sync for the 1b preset on an H200), before the next version's
@@ -142,7 +142,7 @@ class ExportSource:
         self.store_seconds = 0.0
 
     def begin(self, dtype: torch.dtype | None, copy: BucketWriter, on_device: bool = False) -> None:
-        """`on_device`: the walk yields device tensors (a same-GPU handoff); the store copy is moved to the
+        """`on_device`: the walk yields device tensors (a same-device handoff); the store copy is moved to the
         host here."""
         self._dtype, self._copy, self._seen, self._complete = dtype, copy, [], False
         self._on_device, self.store_seconds = on_device, 0.0
@@ -207,7 +207,7 @@ class Published:
     seconds: float
     direct_seconds: float  # of `seconds`, the direct transfer to the engines (its share of the export walk too)
     # Of `seconds`, the weight store's copy on the step's path: to host memory and into the object store, or
-    # after a same-GPU handoff to host memory only (the put follows in the background).
+    # after a same-device handoff to host memory only (the put follows in the background).
     store_seconds: float
     direct_bytes: int  # bytes sent to engines (all of them together; 0: store only)
     receivers: int  # replicas the version was sent to directly
@@ -227,7 +227,7 @@ class Publisher:
         self._client: FleetClient | None = None
         self._group_key: tuple | None = None
         self._generation = 0
-        # A same-GPU handoff's store copy, put after the round (one at a time, in version order).
+        # A same-device handoff's store copy, put after the round (one at a time, in version order).
         self._store_copy: Future | None = None
         self._store_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-store-copy")
 
@@ -247,7 +247,7 @@ class Publisher:
         # API reloads base parameters), and an adapter is small.
         members = (self._receivers() if direct and self.source.known is not None
                    and self.backend.adapter_config is None and not shared_base else [])
-        # A same-GPU handoff keeps the store copy's buckets in host memory (a snapshot: training may change
+        # A same-device handoff keeps the store copy's buckets in host memory (a snapshot: training may change
         # the weights next) and puts them into the object store after the round, off the step's path.
         handoff = bool(members) and members[0].transfer_backend == same_device.BACKEND
         refs: list[ray.ObjectRef] = []
@@ -340,7 +340,7 @@ class Publisher:
         world_size = 1 + sum(m.num_workers for m in members)
         if backend == same_device.BACKEND:  # rlserve's own handoff: nodes that use it have no vLLM
             self._engine = same_device.HandoffSender.trainer_init(self._client, self.source, self.bucket_bytes,
-                                                               self.backend.device)
+                                                                  self.backend.device)
         else:
             from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 

@@ -226,7 +226,7 @@ class WeightFollower:
     async def _update_to(self, version: int, in_flight: bool) -> Applied | None:
         async with self._loading:
             if self._direct_version == version == self.version:
-                return None  # it came directly; after a same-GPU handoff the store's copy follows later
+                return None  # it came directly; after a same-device handoff the store's copy follows later
             pub = await self.store.latest.remote()
             if pub is None or pub.version != version:
                 have = "nothing" if pub is None else f"version {pub.version}"
