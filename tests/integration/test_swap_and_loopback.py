@@ -30,29 +30,33 @@ def reward_version(channel) -> str:
 
 
 def test_swap_reward_mid_run(test_cluster, channel, tmp_path):
+    """The run keeps training through the swap and after it; it is cancelled only once steps scored by
+    the new reward have trained, so how long the swap takes on a loaded machine cannot decide the test."""
     plugin = tmp_path / "shorter_is_better.py"
     plugin.write_text("def reward(item):\n    return 1.0 / (1 + len(item.completion))\n")
     deployed = reward_version(channel)
     with CoordinatorClient(test_cluster.endpoint) as client:
         # No reward.functions: the run scores with whatever the reward service runs (partial-credit
-        # exact match in the test cluster, so that steps really train and take time). Long enough to
-        # outlast the swap: with direct weight transfer a step of this run takes ~0.3 s.
-        run = client.submit(spec(reward__functions=None, grpo__max_num_steps=100, grpo__val_period=0,
+        # exact match in the test cluster, so that steps really train and take time).
+        run = client.submit(spec(reward__functions=None, grpo__max_num_steps=100_000, grpo__val_period=0,
                                  checkpointing__enabled=False))
         wait_for(client, run.run_id, pb.EVENT_KIND_STEP)
         try:
             out = swap(test_cluster, str(plugin))
             assert out.returncode == 0, out.stderr
             assert "reward now runs" in out.stdout
+            landed = wait_for(client, run.run_id, pb.EVENT_KIND_REWARD_SWAP)
+            wait_for(client, run.run_id, pb.EVENT_KIND_STEP, where=lambda ev: ev.step >= landed.step + 2)
+            client.cancel(run.run_id)
             events = events_until_end(client, run.run_id)
         finally:
             assert swap(test_cluster, "default").returncode == 0
         run = client.get(run.run_id)
     # Restored exactly as the cluster file deploys it (partial credit included), not a look-alike.
     assert reward_version(channel) == deployed
-    assert run.state == pb.RUN_STATE_SUCCEEDED, run.error
+    assert run.state == pb.RUN_STATE_CANCELLED and run.error.startswith("by CancelRun"), run.error
     swaps = [ev for ev in events if ev.kind == pb.EVENT_KIND_REWARD_SWAP]
-    assert swaps and swaps[0].step < 100, "the swap should land while the run goes on"
+    assert swaps and swaps[0].step < run.step, "the swap should land while the run goes on"
     assert not [ev for ev in events if ev.kind == pb.EVENT_KIND_RETRY], "a reward call failed during the swap"
     assert "reward_error" not in run.ledger.dropped
     assert_records_agree(run, events)
