@@ -25,6 +25,7 @@ from rlserve.grpo.services import RunServices
 from rlserve.grpo.state import LoopSettings
 from rlserve.logs import setup_logging
 from rlserve.rpc import grpc_method
+from rlserve.runs.feed import run_feed
 from rlserve.runs.manager import RunManager
 from rlserve.runs.quotas import Quotas, QuotasCfg
 from rlserve.runs.record import Run
@@ -69,6 +70,8 @@ class CoordinatorArgs(BaseModel):
     # `quotas` section is re-read when it changes (None: the deployed quotas stay).
     quotas: QuotasCfg = QuotasCfg()
     cluster_file: str | None = None
+    # How often the gateway's copy of the runs is brought up to date (a run's own progress shows within it).
+    run_feed_interval_s: float = Field(0.1, gt=0, le=10)
 
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
@@ -104,6 +107,11 @@ class Coordinator:
         """Serve's shutdown of this replica: stop the runs without changing their state (they stay RUNNING
         on disk, and the next coordinator resumes them)."""
         await self.manager.shutdown()
+
+    async def run_feed(self):
+        """The gateway's run table (`rlserve.runs.feed`): not an RPC, called by handle."""
+        async for records in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s):
+            yield records
 
     @grpc_method
     async def SubmitRun(self, request: pb.SubmitRunRequest, caller: Principal = SYSTEM) -> pb.SubmitRunResponse:

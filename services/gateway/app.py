@@ -10,6 +10,7 @@ the only way in from outside.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,9 @@ from rlserve.cpu_affinity import place_from_env
 from rlserve.gateway import server
 from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.methods import RpcMethod
+from rlserve.gateway.run_table import RunTable
 from rlserve.logs import event, setup_logging
+from rlserve.rpc import clean
 from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
 
@@ -79,6 +82,8 @@ class Gateway:
             tokens = TokenStore({Role.USER: Path(auth.token_file), Role.ADMIN: Path(auth.admin_token_file)},
                                 Path(auth.users_file) if auth.users_file else None)
         self.handles: dict[str, DeploymentHandle] = {}
+        self.runs = RunTable()
+        self.feed = asyncio.ensure_future(self._follow_runs())
         self.server = await server.start(
             server.GatewayConfig(host=self.args.host, port=self.args.port, tokens=tokens,
                                  expose_internal=self.args.expose_internal, apps=self.args.apps,
@@ -86,7 +91,7 @@ class Gateway:
                                  cert_file=Path(tls.cert_file) if tls else None,
                                  key_file=Path(tls.key_file) if tls else None,
                                  max_message_mb=self.args.max_message_mb, read_cache_ms=self.args.read_cache_ms),
-            self._forward, self._forward_stream)
+            self._forward, self._forward_stream, self.runs)
 
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self.handles:
@@ -112,7 +117,29 @@ class Gateway:
         finally:
             stream.cancel()  # the client went away or the stream ended: stop the replica's generator too
 
+    async def _follow_runs(self) -> None:
+        """Keep `self.runs` fed from the coordinator's run feed, reconnecting after it ends (a coordinator
+        restart, or none deployed yet); meanwhile reads are forwarded."""
+        app = self.args.apps.get("coordinator", "coordinator")
+        while True:
+            try:
+                feed = self._handle(app).options(stream=True).run_feed.remote()
+                first = True
+                async for records in feed:
+                    if first:
+                        self.runs.replace(records)
+                        event(log, "gateway.run_feed", runs=len(records))
+                        first = False
+                    else:
+                        self.runs.update(records)
+            except Exception as err:  # noqa: BLE001 - any end of the feed means: forward, then reconnect
+                if self.runs.live:
+                    event(log, "gateway.run_feed_lost", logging.WARNING, error=clean(str(err))[:300])
+            self.runs.down()
+            await asyncio.sleep(1.0)
+
     async def __del__(self):
+        self.feed.cancel()
         await self.server.stop(grace=2)
 
 

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rlserve.gateway.limits import CallerLimits, Limiter, OverLimit
 from rlserve.gateway.methods import RpcMethod, all_methods
 from rlserve.gateway.read_cache import READ_ONLY, ReadCache
+from rlserve.gateway.run_table import RunTable
 from rlserve.logs import event
 from rlserve.rpc import clean, status_of
 from rlserve.security.identity import TokenStore
@@ -143,12 +144,16 @@ def _decode(method: RpcMethod, raw: bytes) -> Message | None:
         return None
 
 
-def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None, reads: ReadCache
-                   ) -> grpc.RpcMethodHandler:
-    """Decode, forward, encode. A run-facing read is answered through `reads` (identical calls of one caller
-    share a forwarded call); a run-facing write makes every cached read old."""
+def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None, reads: ReadCache,
+                   table: RunTable) -> grpc.RpcMethodHandler:
+    """Decode, forward, encode. A run-facing read is answered from `table` where it can be, else through
+    `reads` (identical calls of one caller share a forwarded call); a run-facing write makes every cached
+    read old. What a run-facing answer says about runs updates `table`."""
     async def forwarded(request: Message) -> bytes:
-        return (await forward(method, request, caller)).SerializeToString()
+        response = await forward(method, request, caller)
+        if method.public:
+            table.learn(response)
+        return response.SerializeToString()
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = _decode(method, raw)
@@ -159,6 +164,9 @@ def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None
             if not method.public:
                 return await forwarded(request)
             if method.name in READ_ONLY:
+                local = table.answer(method.name, request, caller)
+                if local is not None:
+                    return local.SerializeToString()
                 return await reads.get(caller, method.name, raw, lambda: forwarded(request))
             try:
                 return await forwarded(request)
@@ -170,10 +178,11 @@ def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None
     return grpc.unary_unary_rpc_method_handler(handle)
 
 
-def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Principal | None, reads: ReadCache
-                    ) -> grpc.RpcMethodHandler:
+def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Principal | None, reads: ReadCache,
+                    table: RunTable) -> grpc.RpcMethodHandler:
     """A stream the service ends (a run's events up to its end) makes every cached read old: a client that
-    reads the run once its stream ended must see it ended."""
+    reads the run once its stream ended must see it ended. `table` notes each run event passed on, for the
+    same reason."""
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         request = _decode(method, raw)
         if request is None:
@@ -182,6 +191,8 @@ def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Pr
         status = None
         try:
             async for item in forward_stream(method, request, caller):
+                if method.public:
+                    table.learn(item)
                 yield item.SerializeToString()
             reads.wrote()
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
@@ -196,15 +207,17 @@ def served_methods(cfg: GatewayConfig) -> list[RpcMethod]:
     return [m for m in all_methods(cfg.apps) if m.public or cfg.expose_internal]
 
 
-async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStream) -> grpc.aio.Server:
-    """Bind and start the endpoint on the running event loop; raises if the address cannot be bound."""
+async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStream, table: RunTable
+                ) -> grpc.aio.Server:
+    """Bind and start the endpoint on the running event loop; raises if the address cannot be bound.
+    `table`: the copy of the coordinator's runs that the caller keeps fed (never live: every read forwarded)."""
     methods = served_methods(cfg)
     limit = cfg.max_message_mb * 2**20
     reads = ReadCache(cfg.read_cache_ms / 1000)
 
     def handlers(method: RpcMethod, caller: Principal | None) -> grpc.RpcMethodHandler:
-        return (_stream_handler(method, forward_stream, caller, reads) if method.server_streaming
-                else _unary_handler(method, forward, caller, reads))
+        return (_stream_handler(method, forward_stream, caller, reads, table) if method.server_streaming
+                else _unary_handler(method, forward, caller, reads, table))
 
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(cfg.tokens, {m.path: m for m in methods}, Limiter(cfg.limits), handlers)],

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.gateway import server
 from rlserve.gateway.limits import CallerLimits
+from rlserve.gateway.run_table import RunTable
 from rlserve.rpc import not_found
 from rlserve.security.certs import self_signed
 from rlserve.security.identity import TokenStore
@@ -62,7 +63,8 @@ class Gateway:
         cfg = server.GatewayConfig(host="127.0.0.1", port=self.port, tokens=tokens, expose_internal=expose_internal,
                                    limits=limits, read_cache_ms=read_cache_ms,
                                    apps={}, cert_file=self.cert, key_file=self.key)
-        self.server = self._run(server.start(cfg, self._forward, self._forward_stream))
+        self.table = RunTable()  # never fed here: every read is forwarded unless a test feeds it
+        self.server = self._run(server.start(cfg, self._forward, self._forward_stream, self.table))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
@@ -86,7 +88,7 @@ class Gateway:
         if request.from_sequence == 10**12:  # an idle watcher: the stream stays open, sending nothing
             await asyncio.sleep(3600)
         for i in range(3):
-            yield pb.WatchRunResponse(event=pb.RunEvent(sequence=i, run_id=request.run_id))
+            yield pb.WatchRunResponse(event=pb.RunEvent(sequence=i, run_id=request.run_id, time_unix=time.time()))
 
     def channel(self, token: str | None = None, secure: bool = False) -> tuple[grpc.Channel, tuple]:
         target = f"127.0.0.1:{self.port}"
@@ -344,3 +346,37 @@ def test_a_callers_identical_reads_share_one_forwarded_call_and_writes_are_read_
     list(stub.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=_md(g.user)))
     stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=_md(g.user))
     assert g.calls[6:] == ["WatchRun", "GetRun"]
+
+
+def test_reads_the_run_table_can_answer_reach_nothing_behind_the_gateway(gateway):
+    """GetRun and ListRuns of runs the fed table holds are answered by the gateway alone; another user's
+    run, a run a stream has shown newer than the table, and every read while the feed is down, are
+    forwarded."""
+    g = gateway()
+    ch, md = g.channel(g.user)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md)  # no feed yet: forwarded
+    me = g.callers[-1].name
+    records = [pb.Run(run_id="mine", owner=me, step=3, updated_unix=10.0).SerializeToString(),
+               pb.Run(run_id="theirs", owner="someone-else", updated_unix=10.0).SerializeToString()]
+
+    async def feed(change):
+        change()
+    g._run(feed(lambda: g.table.replace(records)))
+    before = len(g.calls)
+    for _ in range(20):
+        assert stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md).run.step == 3
+        assert [r.run_id for r in stub.ListRuns(pb.ListRunsRequest(), metadata=md).runs] == ["mine"]
+    assert len(g.calls) == before
+    stub.GetRun(pb.GetRunRequest(run_id="theirs"), metadata=md)
+    assert g.calls[before:] == ["GetRun"]
+    list(stub.WatchRun(pb.WatchRunRequest(run_id="mine"), metadata=md))  # events newer than the table's record
+    stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md)
+    assert g.calls[before + 1:] == ["WatchRun", "GetRun"]
+    newer = pb.Run(run_id="mine", owner=me, step=4, updated_unix=time.time() + 1).SerializeToString()
+    g._run(feed(lambda: g.table.update([newer])))
+    assert stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md).run.step == 4
+    assert len(g.calls) == before + 3
+    g._run(feed(g.table.down))
+    stub.ListRuns(pb.ListRunsRequest(), metadata=md)
+    assert g.calls[-1] == "ListRuns"
