@@ -90,6 +90,14 @@ class PromptTokenizer:
             raise ValueError("a 'messages' example needs data.prompt_format: chat")
         return self.tok.encode(ex.prompt, add_special_tokens=True)
 
+    def longest_prompt(self, examples: list[Example]) -> int:
+        """The most tokens any of `examples` takes as its prompt. Raw prompts are encoded as one batch: each
+        SubmitRun's preflight checks up to thousands, and one `encode` call per prompt cost its CPU."""
+        if self.prompt_format == "chat" or any(ex.messages is not None for ex in examples):
+            return max((len(self.prompt_ids(ex)) for ex in examples), default=0)
+        ids = self.tok([ex.prompt for ex in examples], add_special_tokens=True)["input_ids"]
+        return max(map(len, ids), default=0)
+
     # --- multi-turn episodes -------------------------------------------------------------------
 
     def episode_prompt_ids(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:

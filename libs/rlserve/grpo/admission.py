@@ -272,7 +272,7 @@ class GrpoAdmission(Admission):
             raise failed_precondition(str(err)) from None
         room = spec.policy.max_total_sequence_length - spec.policy.generation.max_new_tokens
         try:
-            longest = await asyncio.to_thread(lambda: max(len(tok.prompt_ids(ex)) for ex in splits.train + splits.val))
+            longest = await asyncio.to_thread(tok.longest_prompt, splits.train + splits.val)
         except TemplateError as err:
             raise invalid_argument("data.prompt_format", f"the model's chat template fails on this data: "
                                    f"{type(err).__name__}: {err}") from None

@@ -57,6 +57,17 @@ def test_raw_prompts_get_the_tokenizers_own_bos(chat_model, tmp_path):
         char.prompt_ids(Example("x", "y", messages=({"role": "user", "content": "x"},)))
 
 
+def test_the_longest_prompt_is_measured_as_each_prompt_tokenizes(chat_model, tmp_path):
+    """The preflight's batch count equals the longest single prompt, raw or chat, for both tokenizers."""
+    examples = [Example("1+1=", "2"), Example("123456+654321=", "777777"), Example("9=", "9")]
+    save_tokenizer(tmp_path, 64)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    for tok in (PromptTokenizer(chat_model, "raw", None), PromptTokenizer(chat_model, "chat", "Be brief."),
+                PromptTokenizer(tmp_path, "raw", None)):
+        assert tok.longest_prompt(examples) == max(len(tok.prompt_ids(ex)) for ex in examples)
+    with pytest.raises(ValueError, match="needs data.prompt_format: chat"):
+        PromptTokenizer(chat_model, "raw", None).longest_prompt([Example("x", "y", messages=CHAT)])
+
 def test_sft_answers_end_with_the_turns_eos(chat_model):
     tok = PromptTokenizer(chat_model, "chat", None)
     ex = Example("What is 12+30?", "42")
