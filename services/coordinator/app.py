@@ -36,6 +36,8 @@ from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.handles import ServeServices
 
+# A run feed ends after this long and the gateway opens the next (`rlserve.runs.feed`).
+RUN_FEED_MAX_S = 60.0
 APPS = {"rollout": "rollout", "reward": "reward", "reference": "reference", "learner": "learner"}
 
 
@@ -75,8 +77,11 @@ class CoordinatorArgs(BaseModel):
 
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
-# (rlserve.gateway.limits); this bounds them all together.
-@serve.deployment(max_ongoing_requests=4096)
+# (rlserve.gateway.limits); this bounds them all together. Streams (WatchRun, the gateway's run feed)
+# would hold up a redeploy or `deploy/serve down` for Serve's default 20 s: after 3 s they are cut (a
+# client's WatchRun continues from its next event, the gateway opens a new feed, runs resume in the
+# next coordinator).
+@serve.deployment(max_ongoing_requests=4096, graceful_shutdown_timeout_s=3)
 class Coordinator:
     def __init__(self, args: dict | None = None):
         setup_logging()
@@ -110,7 +115,7 @@ class Coordinator:
 
     async def run_feed(self):
         """The gateway's run table (`rlserve.runs.feed`): not an RPC, called by handle."""
-        async for records in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s):
+        async for records in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s, RUN_FEED_MAX_S):
             yield records
 
     @grpc_method

@@ -118,8 +118,8 @@ class Gateway:
             stream.cancel()  # the client went away or the stream ended: stop the replica's generator too
 
     async def _follow_runs(self) -> None:
-        """Keep `self.runs` fed from the coordinator's run feed, reconnecting after it ends (a coordinator
-        restart, or none deployed yet); meanwhile reads are forwarded."""
+        """Keep `self.runs` fed from the coordinator's run feeds: the next feed as soon as one ends, and after
+        a failure (a coordinator restart, or none deployed yet) a retry each second, with reads forwarded."""
         app = self.args.apps.get("coordinator", "coordinator")
         while True:
             try:
@@ -127,12 +127,14 @@ class Gateway:
                 first = True
                 async for records in feed:
                     if first:
+                        if not self.runs.live:
+                            event(log, "gateway.run_feed", runs=len(records))
                         self.runs.replace(records)
-                        event(log, "gateway.run_feed", runs=len(records))
                         first = False
                     else:
                         self.runs.update(records)
-            except Exception as err:  # noqa: BLE001 - any end of the feed means: forward, then reconnect
+                continue
+            except Exception as err:  # noqa: BLE001 - any failure of the feed means: forward, then reconnect
                 if self.runs.live:
                     event(log, "gateway.run_feed_lost", logging.WARNING, error=clean(str(err))[:300])
             self.runs.down()

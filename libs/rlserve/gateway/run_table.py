@@ -36,11 +36,12 @@ class RunTable:
         self.live = False
 
     def replace(self, records: Iterable[bytes]) -> None:
-        """A feed's first batch: every run the coordinator has."""
-        self._runs = {}
-        for data in records:
-            run = pb.Run.FromString(data)
-            self._runs[run.run_id] = run
+        """A feed's first batch: every run the coordinator has. A record this gateway learned since the batch
+        was made (a write's answer) stays, being newer."""
+        runs = [pb.Run.FromString(data) for data in records]
+        kept = {run.run_id for run in runs}
+        self._runs = {run_id: run for run_id, run in self._runs.items() if run_id in kept}
+        self._merge(runs)
         self.live = True
 
     def update(self, records: Iterable[bytes]) -> None:

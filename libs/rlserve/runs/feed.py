@@ -10,13 +10,17 @@ The first batch of a feed is every run; later batches hold the runs whose
 record changed, checked every `interval_s`. Unfinished runs are checked each
 time; finished ones when their `updated` time moved (a resume), and all of
 them every `FULL_CHECK_EVERY` batches, so a field set without a new event
-still reaches the gateway.
+still reaches the gateway. A feed ends after `max_s` and the gateway opens the
+next one at once, whose first batch is everything again: the copy is rebuilt
+from the coordinator's runs at least that often, and no stream is held for good
+(as a WatchRun stream ends after `watch_max_s`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from rlserve.runs.record import TERMINAL, Run
@@ -26,12 +30,14 @@ log = logging.getLogger("rlserve.runs")
 FULL_CHECK_EVERY = 20
 
 
-async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float) -> AsyncIterator[list[bytes]]:
-    """Batches of serialized `rlserve.v1.Run` records: all runs first, then those that changed."""
+async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float, max_s: float
+                   ) -> AsyncIterator[list[bytes]]:
+    """Batches of serialized `rlserve.v1.Run` records: all runs first, then those that changed, for `max_s`."""
     sent: dict[str, bytes] = {}
     checked_at: dict[str, float] = {}  # run id -> its `updated` when last checked
     tick = 0
-    while True:
+    deadline = time.monotonic() + max_s
+    while tick == 0 or time.monotonic() < deadline:
         changed = []
         for run_id, run in runs().items():
             if (tick % FULL_CHECK_EVERY and run.state in TERMINAL and checked_at.get(run_id) == run.updated):

@@ -42,6 +42,9 @@ def test_an_older_record_never_replaces_a_newer_one_and_a_caller_reads_its_own_w
     assert _get(table, "a1", ALICE).step == 2
     table.learn(pb.SubmitRunResponse(run=_run("a2", "alice", 13)))
     assert [r.run_id for r in table.answer("ListRuns", pb.ListRunsRequest(), ALICE).runs] == ["a1", "a2"]
+    # The next feed's first batch, made just before the write reached the coordinator: the write stays.
+    table.replace([_run("a1", "alice", 11, step=1).SerializeToString(), _run("a2", "alice", 13).SerializeToString()])
+    assert _get(table, "a1", ALICE).step == 2
 
 
 def test_a_run_whose_newer_event_passed_through_a_stream_is_forwarded_until_the_table_catches_up():

@@ -21,7 +21,7 @@ def test_the_feed_sends_all_runs_then_each_change_once(tmp_path, monkeypatch):
     async def main():
         runs = {name: Run(name, RunSpec(), tmp_path / name) for name in ("a", "b")}
         runs["b"].set_state(pb.RUN_STATE_CANCELLED, "by test")
-        feed = run_feed(lambda: runs, interval_s=0.01)
+        feed = run_feed(lambda: runs, interval_s=0.01, max_s=60)
         assert _ids(await anext(feed)) == ["a", "b"]  # the first batch: everything
         runs["a"].step = 4
         runs["c"] = Run("c", RunSpec(), tmp_path / "c")
@@ -34,3 +34,12 @@ def test_the_feed_sends_all_runs_then_each_change_once(tmp_path, monkeypatch):
         assert _ids(batch) == ["b"] and pb.Run.FromString(batch[0]).final_model_path == "/x/final"
         await feed.aclose()
     asyncio.run(main())
+
+
+def test_a_feed_ends_after_its_lifetime(tmp_path):
+    """No feed is held for good: the gateway opens the next, whose first batch rebuilds its copy."""
+    async def main():
+        runs = {"a": Run("a", RunSpec(), tmp_path / "a")}
+        batches = [batch async for batch in run_feed(lambda: runs, interval_s=0.01, max_s=0.1)]
+        assert _ids(batches[0]) == ["a"] and not any(batches[1:])
+    asyncio.run(asyncio.wait_for(main(), 10))
