@@ -26,3 +26,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure's error, printed when it happens: a CI run cut off by its time limit never reaches pytest's
+    summary, and its log must still say why a test failed."""
+    report = yield
+    terminal = item.config.pluginmanager.get_plugin("terminalreporter")
+    if report.failed and terminal is not None:
+        terminal.write_line("")
+        terminal.write_line(f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s):", red=True)
+        for line in report.longreprtext.splitlines()[-25:]:
+            terminal.write_line(f"    {line[:300]}")
+    return report

@@ -122,6 +122,7 @@ class Gateway:
         a failure (a coordinator restart, or none deployed yet) a retry each second, with reads forwarded."""
         app = self.args.apps.get("coordinator", "coordinator")
         while True:
+            feed = None
             try:
                 feed = self._handle(app).options(stream=True).run_feed.remote()
                 first = True
@@ -137,6 +138,9 @@ class Gateway:
             except Exception as err:  # noqa: BLE001 - any failure of the feed means: forward, then reconnect
                 if self.runs.live:
                     event(log, "gateway.run_feed_lost", logging.WARNING, error=clean(str(err))[:300])
+            finally:
+                if feed is not None:  # ended, failed, or this gateway is stopping: stop the coordinator's side too
+                    feed.cancel()
             self.runs.down()
             await asyncio.sleep(1.0)
 

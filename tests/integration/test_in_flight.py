@@ -63,16 +63,17 @@ def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
     return seen
 
 
-def wait_until_generating(stub, jobs: list[Background]) -> None:
-    """A replica reports requests running (the generation is in the engine). Serve routes GetInfo to
-    the least busy replica, so `jobs` must keep both replicas busy for this to see it."""
-    deadline = time.time() + 60
-    while stub.GetInfo(rollout_pb2.GetInfoRequest()).activity.requests_running == 0:
-        if not any(job.is_alive() for job in jobs):
-            jobs[0].get()  # raises its error, if any
-            raise AssertionError("the generation ended before a replica reported it running")
-        assert time.time() < deadline, "the generation did not start"
-        time.sleep(0.05)
+def generating(stub, n: int, seeds: list[int]) -> list[Background]:
+    """Long generations under way, one per seed. GetInfo cannot show where they run (Serve sends it to the least
+    busy replica, and may send several Generates to one replica), so they get a second to reach the engines; each
+    test checks from what it observes that its update met them running."""
+    jobs = [Background(long_generate, stub, n, seed) for seed in seeds]
+    time.sleep(1.0)
+    for job in jobs:
+        if not job.is_alive():
+            job.get()  # raises its error, if any
+    assert any(job.is_alive() for job in jobs), "the generations ended before the update"
+    return jobs
 
 
 def wait_for_versions(stub, version: int, timeout_s: float = 240) -> dict[str, tuple[str, int]]:
@@ -108,13 +109,13 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     assert first.weight_version == 0 and first.receivers == 0  # a session's first version: the store copy only
     wait_for_versions(stub, 0)
 
-    running = [Background(long_generate, stub, 32, seed) for seed in (5, 6)]  # one on each replica
-    wait_until_generating(stub, running)
+    running = generating(stub, 32, [5, 6, 7, 8])
     exported = train_and_export(learner, 1, in_flight=True).get()
     assert exported.weight_version == 1 and exported.receivers == 2 and not exported.failed
     assert exported.direct_bytes == 2 * exported.num_bytes  # once to each replica, no copy through the store
     responses = [job.get() for job in running]
-    assert all(r.weight_version == 0 for r in responses)  # the oldest version in each response
+    for r in responses:  # each names the oldest version in it (0 unless Serve queued it behind another)
+        assert r.weight_version == min(v.version for c in r.completions for s in c.samples for v in s.version_runs)
 
     samples = [s for resp in responses for c in resp.completions for s in c.samples]
     assert all(len(s.token_ids) == TOKENS and s.finish_reason == common_pb2.FINISH_REASON_LENGTH for s in samples)
@@ -145,8 +146,7 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     # The replicas' actors, looked up now: the kill below must follow the observation at once.
     replicas = {a["name"]: ray.get_actor(a["name"], namespace="serve") for a in ray.util.list_named_actors(
         all_namespaces=True) if a["namespace"] == "serve" and "rollout" in a["name"]}
-    running = [Background(long_generate, stub, 64, seed) for seed in (1, 2, 3, 4)]
-    wait_until_generating(stub, running)
+    running = generating(stub, 64, [1, 2, 3, 4])
     export = train_and_export(learner, 2, in_flight=False)
     # The victim is a replica seen waiting at finish for a while: one busy with generations. A replica
     # that Serve gave no request answers finish at once, and killing it then would kill it after the transfer.
@@ -171,3 +171,35 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
         job.join(600)
     versions = wait_for_versions(stub, 2)
     assert victim not in versions
+
+
+def abandon_a_round(fleet) -> None:
+    """What a learner worker killed mid-round leaves behind: every replica started a direct round (its engine's
+    update lock held) that no further step will follow."""
+    _, members = ray.get(fleet.members.remote())
+    payload = {"start": {"in_flight": False, "run_id": "abandoned"},
+               "update_info": {"names": [], "dtype_names": [], "shapes": [], "bucket": True}}
+    ray.get(fleet.command.remote("update", {m.member_id: payload for m in members}, 30))
+
+
+def test_a_round_abandoned_by_its_sender_holds_up_neither_the_next_round_nor_a_load(channel, learner, ray_driver):
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    fleet = ray.get_actor(fleet_name(DEFAULT_STORE_NAME), namespace=STORE_NAMESPACE)
+    wait_for_versions(stub, 2)
+
+    # The next round's start ends the abandoned one at once.
+    abandon_a_round(fleet)
+    exported = train_and_export(learner, 3, in_flight=False).get()
+    assert exported.weight_version == 3 and exported.receivers == 2 and not exported.failed, exported
+    wait_for_versions(stub, 3)
+
+    # A publication in the store waits for the open round, which expires after the rollout's
+    # weight_transfer_timeout_s; meanwhile both replicas go on polling their mailboxes (a replica that
+    # stopped would be dropped from the fleet after fleet.MEMBER_LEASE_S and never hear of a version again).
+    abandon_a_round(fleet)
+    load = Background(lambda: stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(
+        version=100, safetensors_path=str(resolve_model("preset:tiny")), force=True), timeout=300))
+    time.sleep(20)
+    assert len(ray.get(fleet.members.remote())[1]) == 2, "a replica stopped polling while a load waited"
+    assert load.get(300).weight_version == 100
+    wait_for_versions(stub, 100)

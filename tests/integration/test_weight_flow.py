@@ -24,18 +24,18 @@ _version = iter(range(20_000, 30_000))
 def generate(stub, n=4, temperature=1.0, seed=3) -> rollout_pb2.GenerateResponse:
     return stub.Generate(rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in PROMPTS], num_samples=n,
-        sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed)))
+        sampling=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=8, seed=seed)), timeout=120)
 
 
 def load(stub, path, version=None) -> rollout_pb2.UpdateWeightsResponse:
     return stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(
-        version=version or next(_version), safetensors_path=str(path), force=True))
+        version=version or next(_version), safetensors_path=str(path), force=True), timeout=120)
 
 
 def replicas_versions(stub, calls=12) -> dict[str, int]:
     seen = {}
     for _ in range(calls):
-        info = stub.GetInfo(rollout_pb2.GetInfoRequest())
+        info = stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=60)
         seen[info.replica_id] = info.weight_version
     return seen
 

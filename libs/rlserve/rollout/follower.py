@@ -9,7 +9,14 @@ mailbox. Two things arrive there:
 - Announcements of new publications in the weight store
   (`rlserve.weights.store`). A replica that already holds that version (it
   came directly) ignores it; any other loads it from the store: a replica that
-  started late, restarted, or lost its link during a transfer.
+  started late, restarted, or lost its link during a transfer. That load
+  runs in a task beside the polling: it waits for a direct round in progress,
+  and the round's next steps come through the same mailbox.
+
+A round holds the engine's update lock from its start to its finish. One
+whose sender went quiet (a learner worker killed mid-round) is aborted after
+the transfer time-out, on a clock of its own, and one that a new round or
+link finds still open is aborted at once: no load waits on it for good.
 
 Every update is validated against the served model's checkpoint layout before
 the engine sees it (a failed reload can leave vLLM broken); the old weights
@@ -68,9 +75,12 @@ class WeightFollower:
         self.transfer_timeout_s = transfer_timeout_s
         self.publish_id = 0
         self.run_id = ""
-        self._direct: dict[str, Any] = {}  # the direct transfer in progress: run, started, tensors received
+        self._direct: dict[str, Any] = {}  # the direct round in progress: its run, the tensors received
         self._direct_version: int | None = None  # the version the last direct transfer brought
-        self._listener: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []  # the mailbox's poller and the direct rounds' clock
+        self._background: set[asyncio.Task] = set()  # catch-ups from the store
+        self._catch_up_waiting = False
+        self._in_step, self._last_step = False, time.monotonic()  # the direct round's latest step
         self._loading = asyncio.Lock()
 
     @property
@@ -87,11 +97,11 @@ class WeightFollower:
         except RpcError as err:  # serve the deployed weights until the next publication
             self.publish_id = (await self.store.head.remote())[0]
             event(log, "rollout.publication_unusable", logging.WARNING, replica=self.replica_id, error=err.message)
-        self._listener = asyncio.create_task(self._listen())
+        self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._expire_rounds())]
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.fleet.leave.remote(self.replica_id)
 
     async def _join(self) -> None:
@@ -102,46 +112,64 @@ class WeightFollower:
                                             self.engine.num_transfer_workers, (self._token,)))
 
     async def _listen(self) -> None:
+        """Poll the mailbox for as long as the replica lives. No failure ends it: a replica that stopped polling
+        is dropped from the fleet and would never hear of a new version again."""
         while True:
             try:
-                cmd = await self.fleet.next_command.remote(self.replica_id, POLL_S)
-            except ray.exceptions.RayTaskError as err:
-                if isinstance(err.cause, KeyError):  # dropped (or a new fleet): join again, then catch up
-                    await self._join()
-                    await self._catch_up()
-                    continue
-                raise
-            except ray.exceptions.RayActorError:  # the fleet restarts; poll again shortly
+                await self._poll()
+            except Exception as err:  # noqa: BLE001 - logged; the next poll starts over
+                event(log, "rollout.fleet_poll_failed", logging.WARNING, replica=self.replica_id,
+                      error=f"{type(err).__name__}: {err}"[:300])
                 await asyncio.sleep(1.0)
-                continue
-            if cmd is None:
-                self._expire_direct()
-                continue
-            error = await self._handle(cmd)
-            if cmd.kind != PUBLISHED:
-                await self.fleet.reply.remote(self.replica_id, cmd.seq, error)
+
+    async def _poll(self) -> None:
+        try:
+            cmd = await self.fleet.next_command.remote(self.replica_id, POLL_S)
+        except ray.exceptions.RayTaskError as err:
+            if not isinstance(err.cause, KeyError):
+                raise
+            await self._join()  # dropped (or a new fleet): join again, then catch up
+            self._catch_up_soon()
+            return
+        except ray.exceptions.RayActorError:  # the fleet restarts; poll again shortly
+            await asyncio.sleep(1.0)
+            return
+        if cmd is None:
+            return
+        if cmd.kind == PUBLISHED:
+            # A load from the store waits for a direct round in progress, whose next steps come through
+            # this mailbox: it runs beside the polling, never in its way.
+            self._catch_up_soon()
+            return
+        error = await self._handle(cmd)
+        await self.fleet.reply.remote(self.replica_id, cmd.seq, error)
 
     async def _handle(self, cmd: Command) -> str | None:
+        self._in_step = True
         try:
-            if cmd.kind == PUBLISHED:
-                await self._catch_up()
-            else:
-                await self._transfer_step(cmd.kind, cmd.payload)
+            await self._transfer_step(cmd.kind, cmd.payload)
             return None
         except Exception as err:  # noqa: BLE001 - reported to the sender; the replica keeps serving
             message = err.message if isinstance(err, RpcError) else f"{type(err).__name__}: {err}"
             event(log, "rollout.weight_command_failed", logging.WARNING, replica=self.replica_id, command=cmd.kind,
                   error=message[:300])
             return message
+        finally:
+            self._in_step, self._last_step = False, time.monotonic()
 
     # --- direct transfer ------------------------------------------------------------------------
 
     async def _transfer_step(self, kind: str, payload: dict) -> None:
         engine = self.engine
         start = payload.get("start")
+        if self._direct and (start is not None or kind == "init"):
+            # A new link or round while one is open: its sender gave that round up and moved on.
+            event(log, "rollout.weight_transfer_superseded", logging.WARNING, replica=self.replica_id,
+                  run=self._direct.get("run_id") or None)
+            await self._abort()
         if start is not None:  # a round's start travels with its first step
             await engine.start_weight_update(start["in_flight"])
-            self._direct = {"run_id": start["run_id"], "started": time.monotonic()}
+            self._direct = {"run_id": start["run_id"]}
         if kind == "init":
             await engine.init_weight_transfer(payload["init_info"])
         elif kind == "update":
@@ -180,25 +208,55 @@ class WeightFollower:
         self._direct = {}
         await self.engine.abort_weight_update()
 
-    def _expire_direct(self) -> None:
-        """A direct round whose sender went quiet past the time-out is aborted (its buffers freed)."""
-        started = self._direct.get("started")
-        if started is not None and time.monotonic() - started > self.transfer_timeout_s:
-            event(log, "rollout.weight_transfer_expired", logging.WARNING, replica=self.replica_id)
-            asyncio.create_task(self._abort())
+    async def _expire_rounds(self) -> None:
+        """A direct round whose sender sent no step for the time-out is aborted (its buffers freed, the engine's
+        update lock released). Checked on a clock of its own: nothing the mailbox brings can hold it up."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            quiet_s = time.monotonic() - self._last_step
+            if self._direct and not self._in_step and quiet_s > self.transfer_timeout_s:
+                event(log, "rollout.weight_transfer_expired", logging.WARNING, replica=self.replica_id,
+                      run=self._direct.get("run_id") or None)
+                try:
+                    await self._abort()
+                except Exception as err:  # noqa: BLE001 - logged; the replica keeps serving its weights
+                    event(log, "rollout.weight_abort_failed", logging.WARNING, replica=self.replica_id,
+                          error=f"{type(err).__name__}: {err}"[:300])
 
     # --- from the store ---------------------------------------------------------------------------
 
     async def _catch_up(self) -> None:
         """Load the newest publication unless it is what this replica serves already."""
         async with self._loading:
-            pub = await self.store.latest.remote()
-            if pub is None or pub.publish_id <= self.publish_id:
-                return
-            if (pub.run_id, pub.version) == (self.run_id, self.version):
-                self.publish_id = pub.publish_id  # it came directly
-                return
-            await self._apply(pub, pub.in_flight)
+            await self._catch_up_locked()
+
+    async def _catch_up_locked(self) -> None:
+        pub = await self.store.latest.remote()
+        if pub is None or pub.publish_id <= self.publish_id:
+            return
+        if (pub.run_id, pub.version) == (self.run_id, self.version):
+            self.publish_id = pub.publish_id  # it came directly
+            return
+        await self._apply(pub, pub.in_flight)
+
+    def _catch_up_soon(self) -> None:
+        """Catch up in a task of its own. One waits at a time: it reads the newest publication once it may
+        load, which covers every announcement made while it waited."""
+        if not self._catch_up_waiting:
+            self._catch_up_waiting = True
+            self._background.add(task := asyncio.create_task(self._background_catch_up()))
+            task.add_done_callback(self._background.discard)
+
+    async def _background_catch_up(self) -> None:
+        try:
+            async with self._loading:
+                self._catch_up_waiting = False
+                await self._catch_up_locked()
+        except Exception as err:  # noqa: BLE001 - the replica keeps its weights; a request's sync tries again
+            self._catch_up_waiting = False
+            message = err.message if isinstance(err, RpcError) else f"{type(err).__name__}: {err}"
+            event(log, "rollout.weight_command_failed", logging.WARNING, replica=self.replica_id,
+                  command=PUBLISHED, error=message[:300])
 
     async def sync(self, min_version: int) -> None:
         """Before a request: catch up from the store if this replica is behind it (a newer publication
