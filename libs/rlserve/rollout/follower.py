@@ -40,7 +40,7 @@ import torch
 
 from rlserve.logs import event
 from rlserve.rollout.interfaces import RolloutEngine
-from rlserve.rpc import RpcError, failed_precondition, invalid_argument
+from rlserve.rpc import RpcError, failed_precondition, invalid_argument, status_of
 from rlserve.weights import adapter
 from rlserve.weights.fleet import PUBLISHED, Command, Member
 from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
@@ -119,7 +119,7 @@ class WeightFollower:
                 await self._poll()
             except Exception as err:  # noqa: BLE001 - logged; the next poll starts over
                 event(log, "rollout.fleet_poll_failed", logging.WARNING, replica=self.replica_id,
-                      error=f"{type(err).__name__}: {err}"[:300])
+                      error=status_of(err).message)
                 await asyncio.sleep(1.0)
 
     async def _poll(self) -> None:
@@ -150,9 +150,9 @@ class WeightFollower:
             await self._transfer_step(cmd.kind, cmd.payload)
             return None
         except Exception as err:  # noqa: BLE001 - reported to the sender; the replica keeps serving
-            message = err.message if isinstance(err, RpcError) else f"{type(err).__name__}: {err}"
+            message = status_of(err).message
             event(log, "rollout.weight_command_failed", logging.WARNING, replica=self.replica_id, command=cmd.kind,
-                  error=message[:300])
+                  error=message)
             return message
         finally:
             self._in_step, self._last_step = False, time.monotonic()
@@ -221,7 +221,7 @@ class WeightFollower:
                     await self._abort()
                 except Exception as err:  # noqa: BLE001 - logged; the replica keeps serving its weights
                     event(log, "rollout.weight_abort_failed", logging.WARNING, replica=self.replica_id,
-                          error=f"{type(err).__name__}: {err}"[:300])
+                          error=status_of(err).message)
 
     # --- from the store ---------------------------------------------------------------------------
 
@@ -253,10 +253,8 @@ class WeightFollower:
                 self._catch_up_waiting = False
                 await self._catch_up_locked()
         except Exception as err:  # noqa: BLE001 - the replica keeps its weights; a request's sync tries again
-            self._catch_up_waiting = False
-            message = err.message if isinstance(err, RpcError) else f"{type(err).__name__}: {err}"
             event(log, "rollout.weight_command_failed", logging.WARNING, replica=self.replica_id,
-                  command=PUBLISHED, error=message[:300])
+                  command=PUBLISHED, error=status_of(err).message)
 
     async def sync(self, min_version: int) -> None:
         """Before a request: catch up from the store if this replica is behind it (a newer publication
