@@ -114,9 +114,9 @@ class Coordinator:
         await self.manager.shutdown()
 
     async def run_feed(self):
-        """The gateway's run table (`rlserve.runs.feed`): not an RPC, called by handle."""
-        async for records in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s, RUN_FEED_MAX_S):
-            yield records
+        """The gateway's run table and its runs' events (`rlserve.runs.feed`): not an RPC, called by handle."""
+        async for batch in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s, RUN_FEED_MAX_S):
+            yield batch
 
     @grpc_method
     async def SubmitRun(self, request: pb.SubmitRunRequest, caller: Principal = SYSTEM) -> pb.SubmitRunResponse:

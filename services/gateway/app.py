@@ -65,6 +65,8 @@ class GatewayArgs(BaseModel):
     # Per-caller limits (the cluster file's `limits`).
     limits: CallerLimits = CallerLimits()
     read_cache_ms: int = Field(0, ge=0, le=10_000)
+    # The coordinator's `watch_max_s`: a WatchRun stream served from the gateway's copy ends after it too.
+    watch_max_s: float = Field(600.0, gt=0)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)
@@ -90,7 +92,8 @@ class Gateway:
                                  limits=self.args.limits,
                                  cert_file=Path(tls.cert_file) if tls else None,
                                  key_file=Path(tls.key_file) if tls else None,
-                                 max_message_mb=self.args.max_message_mb, read_cache_ms=self.args.read_cache_ms),
+                                 max_message_mb=self.args.max_message_mb, read_cache_ms=self.args.read_cache_ms,
+                                 watch_max_s=self.args.watch_max_s),
             self._forward, self._forward_stream, self.runs)
 
     def _handle(self, app: str) -> DeploymentHandle:
@@ -119,21 +122,22 @@ class Gateway:
 
     async def _follow_runs(self) -> None:
         """Keep `self.runs` fed from the coordinator's run feeds: the next feed as soon as one ends, and after
-        a failure (a coordinator restart, or none deployed yet) a retry each second, with reads forwarded."""
+        a failure (a coordinator restart, or none deployed yet) a retry each second, with reads and watches
+        forwarded."""
         app = self.args.apps.get("coordinator", "coordinator")
         while True:
             feed = None
             try:
                 feed = self._handle(app).options(stream=True).run_feed.remote()
                 first = True
-                async for records in feed:
+                async for batch in feed:
                     if first:
                         if not self.runs.live:
-                            event(log, "gateway.run_feed", runs=len(records))
-                        self.runs.replace(records)
+                            event(log, "gateway.run_feed", runs=len(batch.runs))
+                        self.runs.replace(batch)
                         first = False
                     else:
-                        self.runs.update(records)
+                        self.runs.update(batch)
                 continue
             except Exception as err:  # noqa: BLE001 - any failure of the feed means: forward, then reconnect
                 if self.runs.live:

@@ -81,6 +81,8 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         args["cluster_file"] = str(cfg.source) if cfg.source else None
     if name == "gateway":
         args.update(_gateway(cfg, runs_dir))
+        if "watch_max_s" in cfg.services.coordinator.args:  # its streams end as the coordinator's do
+            args["watch_max_s"] = cfg.services.coordinator.args["watch_max_s"]
         # One replica on the head node: it binds the endpoint's port, and stops before a new one starts.
         args["deployment"] = {"num_replicas": 1, "num_cpus": GATEWAY_NUM_CPUS, "num_gpus": 0.0,
                               "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001}}

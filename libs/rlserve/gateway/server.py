@@ -28,12 +28,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rlserve.gateway.limits import CallerLimits, Limiter, OverLimit
 from rlserve.gateway.methods import RpcMethod, all_methods
 from rlserve.gateway.read_cache import READ_ONLY, ReadCache
+from rlserve.gateway.run_events import NotHeld
 from rlserve.gateway.run_table import RunTable
 from rlserve.logs import event
 from rlserve.rpc import clean, status_of
 from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal
 from rlserve.security.tokens import bearer_token
+from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.gateway")
 
@@ -59,6 +61,8 @@ class GatewayConfig:
     max_message_mb: int = 64
     # How long a caller's identical GetRun / ListRuns share one answer (`read_cache.py`); 0: only while forwarded.
     read_cache_ms: int = 0
+    # A WatchRun stream the gateway serves ends after this long, as the coordinator's do (clients continue).
+    watch_max_s: float = 600.0
 
 
 def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -179,10 +183,30 @@ def _unary_handler(method: RpcMethod, forward: Forward, caller: Principal | None
 
 
 def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Principal | None, reads: ReadCache,
-                    table: RunTable) -> grpc.RpcMethodHandler:
-    """A stream the service ends (a run's events up to its end) makes every cached read old: a client that
-    reads the run once its stream ended must see it ended. `table` notes each run event passed on, for the
-    same reason."""
+                    table: RunTable, watch_max_s: float) -> grpc.RpcMethodHandler:
+    """A WatchRun is served from `table`'s events while it holds the watcher's next one, and forwarded from
+    there on (`rlserve.gateway.run_events`). A stream the service ends (a run's events up to its end) makes
+    every cached read old: a client that reads the run once its stream ended must see it ended. `table`
+    notes each run event forwarded, for the same reason."""
+    async def forwarded(request: Message) -> AsyncIterator[Message]:
+        async for item in forward_stream(method, request, caller):
+            if method.public:
+                table.learn(item)
+            yield item
+
+    async def items(request: Message) -> AsyncIterator[Message]:
+        local = table.watch(request, caller, watch_max_s) if method.name == "WatchRun" else None
+        if local is not None:
+            try:
+                async for ev in local:
+                    request.from_sequence = ev.sequence + 1
+                    yield pb.WatchRunResponse(event=ev)
+                return
+            except NotHeld:
+                pass
+        async for item in forwarded(request):
+            yield item
+
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         request = _decode(method, raw)
         if request is None:
@@ -190,9 +214,7 @@ def _stream_handler(method: RpcMethod, forward_stream: ForwardStream, caller: Pr
                                 f"request: not a valid {method.request.DESCRIPTOR.full_name}")
         status = None
         try:
-            async for item in forward_stream(method, request, caller):
-                if method.public:
-                    table.learn(item)
+            async for item in items(request):
                 yield item.SerializeToString()
             reads.wrote()
         except Exception as err:  # noqa: BLE001 - every failure becomes a status
@@ -216,7 +238,8 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     reads = ReadCache(cfg.read_cache_ms / 1000)
 
     def handlers(method: RpcMethod, caller: Principal | None) -> grpc.RpcMethodHandler:
-        return (_stream_handler(method, forward_stream, caller, reads, table) if method.server_streaming
+        return (_stream_handler(method, forward_stream, caller, reads, table, cfg.watch_max_s)
+                if method.server_streaming
                 else _unary_handler(method, forward, caller, reads, table))
 
     server = grpc.aio.server(

@@ -14,6 +14,11 @@ still reaches the gateway. A feed ends after `max_s` and the gateway opens the
 next one at once, whose first batch is everything again: the copy is rebuilt
 from the coordinator's runs at least that often, and no stream is held for good
 (as a WatchRun stream ends after `watch_max_s`).
+
+Each batch also carries the new events of unfinished runs (the first batch
+their last `EVENTS_TAIL`), so the gateway answers most WatchRun streams from
+its copy too (`rlserve.gateway.run_events`): a watcher waiting for a run's next
+step then holds nothing at the coordinator.
 """
 
 from __future__ import annotations
@@ -22,24 +27,50 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from rlserve.runs.record import TERMINAL, Run
 
 log = logging.getLogger("rlserve.runs")
 
 FULL_CHECK_EVERY = 20
+# A run's newest events in a feed's first batch: a watcher that starts further back is served by the coordinator.
+EVENTS_TAIL = 256
+
+
+@dataclass
+class FeedBatch:
+    runs: list[bytes] = field(default_factory=list)  # serialized `rlserve.v1.Run` records
+    events: list[bytes] = field(default_factory=list)  # serialized `rlserve.v1.RunEvent`s, in order for each run
+
+
+def _new_events(run: Run, sent: dict[str, int]) -> list[bytes]:
+    """The events of `run` the feed has not sent: for a run it did not follow yet, its last `EVENTS_TAIL`.
+    A run is followed while unfinished, and until its last event (its end) is sent; a finished run is not
+    read again (its events may have been let go to disk)."""
+    if run.state in TERMINAL and run.run_id not in sent:
+        return []
+    events = run.events
+    start = sent.get(run.run_id, max(0, len(events) - EVENTS_TAIL))
+    if run.state in TERMINAL:
+        sent.pop(run.run_id)
+    else:
+        sent[run.run_id] = len(events)
+    return [ev.SerializeToString() for ev in events[start:]]
 
 
 async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float, max_s: float
-                   ) -> AsyncIterator[list[bytes]]:
-    """Batches of serialized `rlserve.v1.Run` records: all runs first, then those that changed, for `max_s`."""
+                   ) -> AsyncIterator[FeedBatch]:
+    """All runs first, then those that changed, with the new events of unfinished runs, for `max_s`."""
     sent: dict[str, bytes] = {}
     checked_at: dict[str, float] = {}  # run id -> its `updated` when last checked
+    events_sent: dict[str, int] = {}  # run id -> how many of its events were sent
     tick = 0
     deadline = time.monotonic() + max_s
     while tick == 0 or time.monotonic() < deadline:
-        changed = []
+        batch = FeedBatch()
         for run_id, run in runs().items():
+            batch.events.extend(_new_events(run, events_sent))
             if (tick % FULL_CHECK_EVERY and run.state in TERMINAL and checked_at.get(run_id) == run.updated):
                 continue
             checked_at[run_id] = run.updated
@@ -50,8 +81,8 @@ async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float, max_s:
                 continue
             if sent.get(run_id) != data:
                 sent[run_id] = data
-                changed.append(data)
-        if changed or tick == 0:
-            yield changed
+                batch.runs.append(data)
+        if batch.runs or batch.events or tick == 0:
+            yield batch
         tick += 1
         await asyncio.sleep(interval_s)

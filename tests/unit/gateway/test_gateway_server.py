@@ -23,6 +23,7 @@ from rlserve.gateway import server
 from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.run_table import RunTable
 from rlserve.rpc import not_found
+from rlserve.runs.feed import FeedBatch
 from rlserve.security.certs import self_signed
 from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
@@ -57,6 +58,7 @@ class Gateway:
         self.port = free_port()
         self.calls: list[str] = []
         self.callers: list[Principal | None] = []  # the principal each forwarded call carried
+        self.watched_from: list[int] = []  # the `from_sequence` of each forwarded WatchRun
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -85,9 +87,10 @@ class Gateway:
     async def _forward_stream(self, method, request, caller):
         self.calls.append(method.name)
         self.callers.append(caller)
+        self.watched_from.append(request.from_sequence)
         if request.from_sequence == 10**12:  # an idle watcher: the stream stays open, sending nothing
             await asyncio.sleep(3600)
-        for i in range(3):
+        for i in range(request.from_sequence, request.from_sequence + 3):
             yield pb.WatchRunResponse(event=pb.RunEvent(sequence=i, run_id=request.run_id, time_unix=time.time()))
 
     def channel(self, token: str | None = None, secure: bool = False) -> tuple[grpc.Channel, tuple]:
@@ -357,8 +360,8 @@ def test_reads_the_run_table_can_answer_reach_nothing_behind_the_gateway(gateway
     stub = coordinator_pb2_grpc.CoordinatorStub(ch)
     stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md)  # no feed yet: forwarded
     me = g.callers[-1].name
-    records = [pb.Run(run_id="mine", owner=me, step=3, updated_unix=10.0).SerializeToString(),
-               pb.Run(run_id="theirs", owner="someone-else", updated_unix=10.0).SerializeToString()]
+    records = FeedBatch([pb.Run(run_id="mine", owner=me, step=3, updated_unix=10.0).SerializeToString(),
+                         pb.Run(run_id="theirs", owner="someone-else", updated_unix=10.0).SerializeToString()])
 
     async def feed(change):
         change()
@@ -374,9 +377,52 @@ def test_reads_the_run_table_can_answer_reach_nothing_behind_the_gateway(gateway
     stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md)
     assert g.calls[before + 1:] == ["WatchRun", "GetRun"]
     newer = pb.Run(run_id="mine", owner=me, step=4, updated_unix=time.time() + 1).SerializeToString()
-    g._run(feed(lambda: g.table.update([newer])))
+    g._run(feed(lambda: g.table.update(FeedBatch([newer]))))
     assert stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md).run.step == 4
     assert len(g.calls) == before + 3
     g._run(feed(g.table.down))
     stub.ListRuns(pb.ListRunsRequest(), metadata=md)
     assert g.calls[-1] == "ListRuns"
+
+
+def test_watch_streams_are_served_from_the_fed_events_and_forwarded_from_where_the_copy_ends(gateway):
+    """Idle watchers held a request each at the coordinator: a run whose events the table holds is watched
+    at the gateway alone, any number of streams (within the caller's limit) holding nothing behind it; when
+    the copy cannot go on (here: the feed goes down), the stream continues forwarded from its next event."""
+    g = gateway()
+    ch, md = g.channel(g.user)
+    stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    stub.GetRun(pb.GetRunRequest(run_id="mine"), metadata=md)
+    me = g.callers[-1].name
+
+    def ev(seq: int, state: int = pb.RUN_STATE_RUNNING) -> bytes:
+        return pb.RunEvent(run_id="mine", sequence=seq, state=state, time_unix=time.time()).SerializeToString()
+
+    async def feed(change):
+        change()
+    g._run(feed(lambda: g.table.replace(FeedBatch(
+        [pb.Run(run_id="mine", owner=me, updated_unix=time.time()).SerializeToString()], [ev(0), ev(1)]))))
+    before = len(g.calls)
+    idle = [stub.WatchRun(pb.WatchRunRequest(run_id="mine", from_sequence=10**12), metadata=md) for _ in range(10)]
+    watch = stub.WatchRun(pb.WatchRunRequest(run_id="mine"), metadata=md, timeout=30)
+    assert [next(watch).event.sequence for _ in range(2)] == [0, 1]
+    g._run(feed(lambda: g.table.update(FeedBatch([], [ev(2)]))))
+    assert next(watch).event.sequence == 2
+    assert len(g.calls) == before  # nothing forwarded, the idle streams included
+    g._run(feed(g.table.down))
+    assert [r.event.sequence for r in watch] == [3, 4, 5]  # the forwarder's events from 3 on
+    deadline = time.time() + 10
+    while len(g.watched_from) < 11 and time.time() < deadline:
+        time.sleep(0.01)
+    assert sorted(g.watched_from) == [3] + [10**12] * 10  # each stream went on from where it was
+    for call in idle:
+        call.cancel()
+    before = len(g.calls)
+    g._run(feed(lambda: g.table.replace(FeedBatch(
+        [pb.Run(run_id="mine", owner=me, updated_unix=time.time()).SerializeToString()],
+        [ev(0), ev(1, pb.RUN_STATE_CANCELLED)]))))
+    assert [r.event.sequence for r in stub.WatchRun(pb.WatchRunRequest(run_id="mine"), metadata=md, timeout=30)
+            ] == [0, 1]  # served here, ending with the run
+    past_the_end = stub.WatchRun(pb.WatchRunRequest(run_id="mine", from_sequence=10**12), metadata=md, timeout=30)
+    assert list(past_the_end) == [] and past_the_end.code() == grpc.StatusCode.OK
+    assert len(g.calls) == before
