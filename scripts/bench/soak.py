@@ -10,8 +10,10 @@ Its steps are timed in three phases of `--phase-s` seconds each, side by side in
   - abuse:  the same callers, plus one abusive caller (its own token, its own process) doing what once stalled
             everyone: 80 idle WatchRun streams from sequence 10**12, 240 KB specs of 120,000 list
             items, and 60 MB specs, 4 at a time.
-Reported per phase: p50, p99 and max latency of the well-behaved calls, their errors by code, the abuser's
-refusals, and the run's median step time against the quiet phase. With `--chaos-s`, a chaos soak
+Reported per phase: p50, p99 and max latency of the well-behaved calls (and the p99 of each kind of call), their
+errors by code, the abuser's refusals, the run's median step time against the quiet phase, and the cores each
+part kept busy (gateway, coordinator, reward, training, Ray's own processes, and this harness, which shares
+the machine). With `--chaos-s`, a chaos soak
 follows: every 60-120 s one of rollout, reward, reference, the learner worker, the coordinator
 or the gateway is killed at random; then the run goes on to its last step, and it must end with a
 balanced ledger, no run may be left unfinished, and the cluster's resident memory is reported
@@ -19,6 +21,7 @@ before and after.
 Prints a table and writes bench-results/soak.json.
 
     .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps N]
+                                           [--control-core 0]
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class Callers:
 
     def __init__(self, endpoint: str, users: list[tuple[str, str]], n: int):
         self.endpoint, self.users, self.n = endpoint, users, n  # users: (token, run id)
-        self.latencies: list[float] = []
+        self.latencies: list[tuple[str, float]] = []  # (the call, seconds)
         self.errors: list[str] = []
 
     async def caller(self, i: int, stop: float) -> None:
@@ -88,20 +91,24 @@ class Callers:
             stub = coordinator_pb2_grpc.CoordinatorStub(channel)
             while time.monotonic() < stop:
                 t0 = time.perf_counter()
+                kind = random.random()
                 try:
-                    kind = random.random()
                     if kind < 0.45:
+                        call = "GetRun"
                         await stub.GetRun(pb.GetRunRequest(run_id=run_id), metadata=md, timeout=30)
                     elif kind < 0.8:
+                        call = "ListRuns"
                         await stub.ListRuns(pb.ListRunsRequest(), metadata=md, timeout=30)
                     elif kind < 0.98 or i % 20:
+                        call = "WatchRun"
                         stream = stub.WatchRun(pb.WatchRunRequest(run_id=run_id), metadata=md, timeout=30)
                         await stream.read()
                         stream.cancel()
                     else:
+                        call = "SubmitRun+CancelRun"
                         run = (await stub.SubmitRun(pb.SubmitRunRequest(spec_yaml=TINY), metadata=md, timeout=30)).run
                         await stub.CancelRun(pb.CancelRunRequest(run_id=run.run_id), metadata=md, timeout=30)
-                    self.latencies.append(time.perf_counter() - t0)
+                    self.latencies.append((call, time.perf_counter() - t0))
                 except grpc.aio.AioRpcError as err:
                     self.errors.append(err.code().name)
                 await asyncio.sleep(random.uniform(0.2, 1.0))
@@ -177,6 +184,74 @@ def cluster_processes() -> tuple[int, int, int]:
     return count, rss, zombies
 
 
+def part_of(cmdline: str, name: str, harness: bool) -> str:
+    """Which part of the system a process is, for the CPU each part takes in a phase. `harness`: this process
+    or one it started (the cluster's processes are among them: `up` starts Ray from here)."""
+    for part, marks in (("gateway", ("ServeReplica:gateway",)), ("coordinator", ("ServeReplica:coordinator",)),
+                        ("reward", ("ServeReplica:reward",)),
+                        ("training", ("ServeReplica:rollout", "ServeReplica:reference", "ServeReplica:learner",
+                                      "LearnerWorker"))):
+        if any(m in cmdline for m in marks):
+            return part
+    if "VLLM" in name:
+        return "training"
+    if "ray" in cmdline:
+        return "ray"
+    return "harness" if harness else ""  # the callers and the abuser: this machine's cores serve them too
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Each of the cluster's and this harness's processes: (its part, CPU seconds so far)."""
+    import psutil
+
+    me = psutil.Process()
+    harness = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    out = {}
+    for p in psutil.process_iter(["cmdline", "name"]):
+        try:
+            part = part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness)
+            if part:
+                t = p.cpu_times()
+                out[p.pid] = (part, t.user + t.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def cores_by_part(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                  seconds: float) -> dict[str, float]:
+    """Cores each part kept busy between two `cpu_seconds` (a process started between them counts from 0)."""
+    used: Counter = Counter()
+    for pid, (part, cpu) in after.items():
+        used[part] += cpu - before.get(pid, (part, 0.0))[1]
+    return {part: round(cpu / seconds, 2) for part, cpu in sorted(used.items())}
+
+
+def pin_parts(control_core: int) -> dict[str, int]:
+    """What if the control plane had a core of its own: the gateway, coordinator, reward, Ray's own processes and
+    this harness on `control_core`, training on the others (every thread of each process; what they start later
+    inherits it). The cluster file's `services.<name>.cpu_cores` places the services alike; the gateway and
+    Ray's own processes have no such key, hence this. Returns how many processes each side got."""
+    import psutil
+
+    me = psutil.Process()
+    harness = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    cores = set(range(os.cpu_count() or 1))
+    pinned: Counter = Counter()
+    for p in psutil.process_iter(["cmdline", "name"]):
+        part = part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness)
+        if not part:
+            continue
+        mask = cores - {control_core} if part == "training" else {control_core}
+        try:
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                os.sched_setaffinity(int(tid), mask)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        pinned["training" if part == "training" else "control"] += 1
+    return dict(pinned)
+
+
 def chaos(seconds: float, rng: random.Random) -> list[str]:
     """Kill one of the services' processes every 60-120 s; returns what was killed."""
     import psutil
@@ -206,6 +281,9 @@ def main() -> None:
                              "at ~1 s a step (the demo's steps take 1.2 s here; the first chaos soak's run of 650 "
                              "steps ended 8 minutes into 30)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control-core", type=int, default=None,
+                        help="pin the control plane, Ray's own processes and this harness to this core and training to "
+                             "the others, for all three phases (`pin_parts`)")
     parser.add_argument("--read-cache-ms", type=int, default=0,
                         help="the cluster file's read_cache_ms (how long the gateway keeps a read's answer)")
     args = parser.parse_args()
@@ -243,11 +321,14 @@ def main() -> None:
             while client.get(run.run_id).step < 1:  # past SFT and the first GRPO step
                 time.sleep(2)
         rows = []
+        if args.control_core is not None:
+            print("pinned", pin_parts(args.control_core), flush=True)
         procs_before, rss_before, _ = cluster_processes()
         abuser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         for phase in ("quiet", "load", "abuse"):
             callers = Callers(cluster.grpc_endpoint, users, 0 if phase == "quiet" else args.callers)
             t0 = time.time()
+            cpu_before = cpu_seconds()
 
             async def both() -> dict[str, int]:
                 jobs = [callers.run(args.phase_s)]
@@ -258,14 +339,21 @@ def main() -> None:
                 return results[1] if phase == "abuse" else {}
 
             answers = asyncio.run(both()) if phase != "quiet" else (time.sleep(args.phase_s) or {})
+            cores = cores_by_part(cpu_before, cpu_seconds(), time.time() - t0)
             steps = step_times(cluster.runs_dir, run.run_id, t0, time.time())
-            lat = callers.latencies
+            lat = [seconds for _, seconds in callers.latencies]
+            by_call: dict[str, list[float]] = {}
+            for call, seconds in callers.latencies:
+                by_call.setdefault(call, []).append(seconds)
             rows.append({"phase": phase, "calls": len(lat), "errors": len(callers.errors),
                          "error_codes": dict(Counter(callers.errors)),
                          "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
                          "max_ms": max(lat, default=float("nan")) * 1e3, "steps": len(steps),
                          "step_s": statistics.median(steps) if steps else float("nan"),
-                         "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items()))})
+                         "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items())),
+                         "p99_ms_by_call": {call: round(percentile(v, 0.99) * 1e3, 1)
+                                            for call, v in sorted(by_call.items())},
+                         "cores": cores})
             print("phase", rows[-1], flush=True)
         abuser_pool.shutdown()
         admin_file = cluster.token_files[1]
@@ -275,7 +363,8 @@ def main() -> None:
         quiet = rows[0]["step_s"]
         for row in rows:
             row["step_vs_quiet"] = row["step_s"] / quiet
-        meta = {"callers": args.callers, "phase_s": args.phase_s, "read_cache_ms": args.read_cache_ms}
+        meta = {"callers": args.callers, "phase_s": args.phase_s, "read_cache_ms": args.read_cache_ms,
+                "control_core": args.control_core}
         if args.chaos_s:
             killed = chaos(args.chaos_s, random.Random(args.seed))
             with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
@@ -301,6 +390,11 @@ def main() -> None:
         down(cluster)
     print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "steps", "step_s", "step_vs_quiet",
                        "abuser"]))
+    parts = sorted({part for row in rows for part in row["cores"]})
+    calls = sorted({call for row in rows for call in row["p99_ms_by_call"]})
+    print(table([{"phase": row["phase"], **{f"{p} cores": row["cores"].get(p, 0.0) for p in parts},
+                  **{f"p99 {c} ms": row["p99_ms_by_call"].get(c, "") for c in calls}} for row in rows],
+                ["phase", *(f"{p} cores" for p in parts), *(f"p99 {c} ms" for c in calls)]))
     if args.chaos_s:
         print({k: v for k, v in meta.items() if k not in ("callers", "phase_s")})
     print("wrote", record("soak", rows, meta))
