@@ -165,6 +165,10 @@ class ClusterFile(BaseModel):
     # (rlserve.gateway.read_cache: writes through the gateway are seen at once, a run's own progress within
     # this long); 0: only calls made while the same one is forwarded share it.
     read_cache_ms: int = Field(0, ge=0, le=10_000)
+    # CPU cores the gateway's process runs on (the services' own are `services.<name>.cpu_cores`); empty: any.
+    # With the control plane (gateway, coordinator, reward) on cores that training does not use, callers cannot
+    # slow a run's steps however many they are (BENCHMARKS.md, the soak with --control-core).
+    gateway_cpu_cores: list[Annotated[int, Field(ge=0)]] = Field([], max_length=4096)
     # Per-user quotas on runs (rlserve.runs.quotas: unfinished runs, queued runs, samples per run), a
     # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
     # this section when the file changes: no restart.

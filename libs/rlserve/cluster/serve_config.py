@@ -85,7 +85,8 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
             args["watch_max_s"] = cfg.services.coordinator.args["watch_max_s"]
         # One replica on the head node: it binds the endpoint's port, and stops before a new one starts.
         args["deployment"] = {"num_replicas": 1, "num_cpus": GATEWAY_NUM_CPUS, "num_gpus": 0.0,
-                              "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001}}
+                              "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001},
+                              "cpu_cores": list(cfg.gateway_cpu_cores)}
     else:
         args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
                               "env_vars": svc.env_vars, "resources": svc.resources, "cpu_cores": svc.cpu_cores,

@@ -30,6 +30,7 @@ def test_default_cluster_is_loopback_authenticated_and_complete(tmp_path, monkey
                                "users_file": str(runs / ".cluster" / "users")}
     assert apps["coordinator"]["cluster_file"] == str(default_cluster_file().resolve())
     assert gateway["expose_internal"] is False and gateway["tls"] is None
+    assert gateway["deployment"]["cpu_cores"] == []  # anywhere, unless the cluster file says otherwise
     assert apps["coordinator"]["paths"]["runs_dir"] == str(runs)
     assert apps["coordinator"]["allowed_plugins"] == [] == apps["reward"]["allowed_plugins"]
     for name in ("rollout", "reference", "learner", "coordinator"):
@@ -156,3 +157,28 @@ def test_a_local_head_and_its_drivers_share_token_auth_with_the_clusters_own_tok
     ensure_ray_token(cluster)  # kept, not replaced
     # An existing cluster keeps its own authentication settings.
     assert "RAY_AUTH_MODE" not in Cluster(ClusterFile(address="10.0.0.5:6379"), tmp_path).env()
+
+
+def test_the_control_plane_can_have_cores_of_its_own(tmp_path):
+    """The gateway pins itself (`place_from_env`) to the cluster file's `gateway_cpu_cores`, as each service
+    does to its `services.<name>.cpu_cores`."""
+    from ray import serve
+
+    from rlserve import cpu_affinity
+    from rlserve.cluster.deployment import DeploymentArgs
+
+    @serve.deployment
+    class Gateway:  # the options a deployment gets do not depend on its body
+        pass
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"gateway_cpu_cores": [0], "services": {"coordinator": {"cpu_cores": [0]},
+                                                                            "learner": {"cpu_cores": [1]}}}))
+    cfg, runs = load_cluster_file(path)
+    apps = {a["name"]: a["args"] for a in serve_config(cfg, runs)["applications"]}
+    assert apps["gateway"]["deployment"]["cpu_cores"] == [0] == apps["coordinator"]["deployment"]["cpu_cores"]
+    options = DeploymentArgs(**apps["gateway"]["deployment"]).apply(Gateway).ray_actor_options
+    assert options["runtime_env"]["env_vars"][cpu_affinity.ENV] == "0"
+    path.write_text(yaml.safe_dump({"gateway_cpu_cores": [-1]}))
+    with pytest.raises(SpecError, match="gateway_cpu_cores"):
+        load_cluster_file(path)
