@@ -36,10 +36,10 @@ def check_cores(cores: Sequence[int], field: str) -> set[int]:
     return set(cores)
 
 
-def pin_process(cores: Sequence[int], field: str) -> None:
-    """Pin every thread of this process (and so what it starts later) to `cores`."""
+def pin_process(cores: Sequence[int], field: str, pid: int | str = "self") -> None:
+    """Pin every thread of process `pid` (by default this one), and so what it starts later, to `cores`."""
     mask = check_cores(cores, field)
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(tid), mask)
 

@@ -200,12 +200,19 @@ def part_of(cmdline: str, name: str, harness: bool) -> str:
     return "harness" if harness else ""  # the callers and the abuser: this machine's cores serve them too
 
 
+def harness_pids() -> set[int]:
+    """This process and every process it started (the cluster's among them: `part_of` tells them apart)."""
+    import psutil
+
+    me = psutil.Process()
+    return {me.pid} | {c.pid for c in me.children(recursive=True)}
+
+
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """Each of the cluster's and this harness's processes: (its part, CPU seconds so far)."""
     import psutil
 
-    me = psutil.Process()
-    harness = {me.pid} | {c.pid for c in me.children(recursive=True)}
+    harness = harness_pids()
     out = {}
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
@@ -229,26 +236,27 @@ def cores_by_part(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
 
 def pin_parts(control_core: int) -> dict[str, int]:
     """What if the control plane had a core of its own: the gateway, coordinator, reward, Ray's own processes and
-    this harness on `control_core`, training on the others (every thread of each process; what they start later
-    inherits it). The cluster file's `services.<name>.cpu_cores` places the services alike; the gateway and
-    Ray's own processes have no such key, hence this. Returns how many processes each side got."""
+    this harness on `control_core`, training on the others (`rlserve.cpu_affinity.pin_process`: every thread of
+    each process; what they start later inherits it). The cluster file's `gateway_cpu_cores` and
+    `services.<name>.cpu_cores` place the gateway and services alike; Ray's own processes and this harness have
+    no such key, hence this. Returns how many processes each side got."""
     import psutil
 
-    me = psutil.Process()
-    harness = {me.pid} | {c.pid for c in me.children(recursive=True)}
-    cores = set(range(os.cpu_count() or 1))
+    from rlserve.cpu_affinity import pin_process
+
+    harness = harness_pids()
+    training = sorted(set(range(os.cpu_count() or 1)) - {control_core})
     pinned: Counter = Counter()
     for p in psutil.process_iter(["cmdline", "name"]):
         part = part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness)
         if not part:
             continue
-        mask = cores - {control_core} if part == "training" else {control_core}
+        side = "training" if part == "training" else "control"
         try:
-            for tid in os.listdir(f"/proc/{p.pid}/task"):
-                os.sched_setaffinity(int(tid), mask)
+            pin_process(training if side == "training" else [control_core], "--control-core", p.pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        pinned["training" if part == "training" else "control"] += 1
+            continue  # gone meanwhile, or not ours
+        pinned[side] += 1
     return dict(pinned)
 
 
