@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 import ray
 from ray import serve
@@ -53,6 +54,31 @@ class Background(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class KeepGenerating:
+    """Long generations kept running until `stop`, each stream starting its next as soon as one ends, so a transfer
+    reaching its finish step meets running requests however long training took before it."""
+
+    def __init__(self, stub, streams: int, n: int):
+        self.stub, self.n = stub, n
+        self.done = threading.Event()
+        self.errors: list[tuple[float, grpc.RpcError]] = []
+        self.streams = [Background(self._stream, seed) for seed in range(streams)]
+
+    def _stream(self, seed: int) -> None:
+        while not self.done.is_set():
+            try:
+                long_generate(self.stub, self.n, seed)
+            except grpc.RpcError as err:
+                self.errors.append((time.time(), err))
+
+    def stop(self) -> list[tuple[float, grpc.RpcError]]:
+        """Waits for the generations under way; returns the calls that failed (when, the error)."""
+        self.done.set()
+        for stream in self.streams:
+            stream.get()
+        return self.errors
 
 
 def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
@@ -96,9 +122,14 @@ def learner(channel):
     return stub
 
 
-def train_and_export(learner, version: int, in_flight: bool) -> Background:
+def train(learner, version: int) -> None:
+    """One step, making `version`. Done before the generations an export must meet start: a slow machine's step
+    could outlast them."""
     learner.TrainStep(learner_pb2.TrainStepRequest(run_id=RUN, loss_name="sft", sequences=SFT_BATCH,
                                                    learning_rate=1e-2, expected_weight_version=version - 1))
+
+
+def export(learner, in_flight: bool) -> Background:
     return Background(lambda: learner.ExportWeights(learner_pb2.ExportWeightsRequest(
         run_id=RUN, direct=True, in_flight=in_flight), timeout=600))
 
@@ -109,8 +140,9 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     assert first.weight_version == 0 and first.receivers == 0  # a session's first version: the store copy only
     wait_for_versions(stub, 0)
 
+    train(learner, 1)
     running = generating(stub, 32, [5, 6, 7, 8])
-    exported = train_and_export(learner, 1, in_flight=True).get()
+    exported = export(learner, in_flight=True).get()
     assert exported.weight_version == 1 and exported.receivers == 2 and not exported.failed
     assert exported.direct_bytes == 2 * exported.num_bytes  # once to each replica, no copy through the store
     responses = [job.get() for job in running]
@@ -146,8 +178,9 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     # The replicas' actors, looked up now: the kill below must follow the observation at once.
     replicas = {a["name"]: ray.get_actor(a["name"], namespace="serve") for a in ray.util.list_named_actors(
         all_namespaces=True) if a["namespace"] == "serve" and "rollout" in a["name"]}
-    running = generating(stub, 64, [1, 2, 3, 4])
-    export = train_and_export(learner, 2, in_flight=False)
+    train(learner, 2)
+    running = KeepGenerating(stub, streams=4, n=64)
+    exporting = export(learner, in_flight=False)
     # The victim is a replica seen waiting at finish for a while: one busy with generations. A replica
     # that Serve gave no request answers finish at once, and killing it then would kill it after the transfer.
     deadline = time.time() + 120
@@ -159,16 +192,19 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
         held = [m for m, since in waiting_since.items() if now - since >= 0.3]
         if held:
             break
-        assert now < deadline and export.is_alive(), f"the transfer never waited at finish: {pending}"
+        if not exporting.is_alive():
+            exporting.get()  # its error, if it failed
+        assert now < deadline and exporting.is_alive(), f"the transfer never waited at finish: {pending}"
         time.sleep(0.02)
     victim = held[0]
+    killed_at = time.time()
     ray.kill(next(actor for name, actor in replicas.items() if victim in name), no_restart=True)
 
-    exported = export.get()
+    exported = exporting.get()
     assert exported.weight_version == 2 and exported.receivers == 2
     assert any(victim in f for f in exported.failed), exported.failed
-    for job in running:  # requests on the killed replica fail; the others complete on version 1
-        job.join(600)
+    failed = running.stop()  # requests on the killed replica fail; the others complete
+    assert all(when >= killed_at for when, _ in failed), [err for when, err in failed if when < killed_at]
     versions = wait_for_versions(stub, 2)
     assert victim not in versions
 
@@ -189,7 +225,8 @@ def test_a_round_abandoned_by_its_sender_holds_up_neither_the_next_round_nor_a_l
 
     # The next round's start ends the abandoned one at once.
     abandon_a_round(fleet)
-    exported = train_and_export(learner, 3, in_flight=False).get()
+    train(learner, 3)
+    exported = export(learner, in_flight=False).get()
     assert exported.weight_version == 3 and exported.receivers == 2 and not exported.failed, exported
     wait_for_versions(stub, 3)
 
