@@ -9,9 +9,13 @@ Its steps are timed in three phases of `--phase-s` seconds each, side by side in
             tiny run that it cancels at once;
   - abuse:  the same callers, plus one abusive caller (its own token, its own process) doing what once stalled
             everyone: 80 idle WatchRun streams from sequence 10**12, 240 KB specs of 120,000 list
-            items, and 60 MB specs, 4 at a time.
+            items, and 60 MB specs, 4 at a time;
+  - quiet again: only the run. The baseline is both quiet phases' steps together, so a drift of the run's
+            own speed over time (the machine's, or the run's) shows as the two quiet phases disagreeing
+            rather than as an effect of the callers.
 Reported per phase: p50, p99 and max latency of the well-behaved calls (and the p99 of each kind of call), their
-errors by code, the abuser's refusals, the run's median step time against the quiet phase, and the cores each
+errors by code, the abuser's refusals, the run's median step time (and its generation and training parts)
+against the quiet phases', and the cores each
 part kept busy (gateway, coordinator, reward, training, Ray's own processes, and this harness, which shares
 the machine). With `--chaos-s`, a chaos soak
 follows: every 60-120 s one of rollout, reward, reference, the learner worker, the coordinator
@@ -21,7 +25,7 @@ before and after.
 Prints a table and writes bench-results/soak.json.
 
     .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps N]
-                                           [--control-core 0]
+                                           [--control-cores 0-3]
 """
 
 from __future__ import annotations
@@ -49,7 +53,20 @@ TINY = "name: soak-tiny\ngrpo: {max_num_steps: 1, num_prompts_per_step: 2, num_g
 KILLABLE = ("rollout", "reward", "reference", "LearnerWorker", "coordinator", "gateway")
 
 
-def soak_cluster(root: Path, read_cache_ms: int):
+CONTROL_SERVICES = ("coordinator", "reward")
+TRAINING_SERVICES = ("rollout", "reference", "learner")
+
+
+def parse_cores(text: str) -> list[int]:
+    """`0-3,8` -> [0, 1, 2, 3, 8]."""
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
+
+
+def soak_cluster(root: Path, read_cache_ms: int, control_cores: list[int] | None):
     import yaml
 
     from rlserve.cluster.config import load_cluster_file
@@ -59,10 +76,26 @@ def soak_cluster(root: Path, read_cache_ms: int):
                           .read_text())
     data.update({"name": "soak", "ray_port": PORT_BASE, "grpc_port": PORT_BASE + 10, "runs_dir": str(root / "runs"),
                  "read_cache_ms": read_cache_ms})
+    if control_cores:  # the layout an operator would write: the cluster file's keys, read as each replica starts
+        training = sorted(set(range(os.cpu_count() or 1)) - set(control_cores))
+        data["gateway_cpu_cores"] = control_cores
+        for name in CONTROL_SERVICES + TRAINING_SERVICES:
+            data["services"][name]["cpu_cores"] = control_cores if name in CONTROL_SERVICES else training
     path = root / "cluster.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg, runs = load_cluster_file(path)
     return Cluster(cfg, runs)
+
+
+def training_spec(steps: int) -> str:
+    """The demo run for `steps` steps, training every group: by default a group whose samples all got the same
+    reward is skipped, so the demo's steps train less and less as it learns and a later phase's steps would be
+    faster for that alone (a first soak on 16 cores saw training's part of a step halve over four phases)."""
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/grpo_addition.yaml").read_text())
+    spec["grpo"].update({"max_num_steps": steps, "skip_zero_advantage_groups": False})
+    return yaml.safe_dump(spec)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -157,12 +190,20 @@ def abuse_in_own_process(endpoint: str, token: str, run_id: str, seconds: float)
     return asyncio.run(abuse(endpoint, token, run_id, seconds))
 
 
-def step_times(runs_dir: Path, run_id: str, since: float, until: float) -> list[float]:
+STEP_PARTS = {"step_s": "timing/step_s", "generate_s": "timing/generate_s", "train_s": "timing/train_s"}
+
+
+def step_times(runs_dir: Path, run_id: str, since: float, until: float) -> list[dict[str, float]]:
+    """The run's steps between two times: each one's seconds in all and in generation and training."""
     import json
 
     rows = [json.loads(line) for line in (runs_dir / run_id / "events.jsonl").read_text().splitlines()]
-    return [r["metrics"]["timing/step_s"] for r in rows
+    return [{part: r["metrics"][key] for part, key in STEP_PARTS.items()} for r in rows
             if r["kind"] == "step" and since <= r["time"] <= until and "timing/step_s" in r["metrics"]]
+
+
+def medians(steps: list[dict[str, float]]) -> dict[str, float]:
+    return {part: statistics.median(s[part] for s in steps) if steps else float("nan") for part in STEP_PARTS}
 
 
 def cluster_processes() -> tuple[int, int, int]:
@@ -234,30 +275,25 @@ def cores_by_part(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
     return {part: round(cpu / seconds, 2) for part, cpu in sorted(used.items())}
 
 
-def pin_parts(control_core: int) -> dict[str, int]:
-    """What if the control plane had a core of its own: the gateway, coordinator, reward, Ray's own processes and
-    this harness on `control_core`, training on the others (`rlserve.cpu_affinity.pin_process`: every thread of
-    each process; what they start later inherits it). The cluster file's `gateway_cpu_cores` and
-    `services.<name>.cpu_cores` place the gateway and services alike; Ray's own processes and this harness have
-    no such key, hence this. Returns how many processes each side got."""
+def pin_the_rest(control_cores: list[int]) -> int:
+    """Ray's own processes and this harness onto the control plane's cores (`soak_cluster` placed the gateway
+    and the services through the cluster file; these have no such key). Returns how many processes it pinned."""
     import psutil
 
     from rlserve.cpu_affinity import pin_process
 
     harness = harness_pids()
-    training = sorted(set(range(os.cpu_count() or 1)) - {control_core})
-    pinned: Counter = Counter()
+    pinned = 0
     for p in psutil.process_iter(["cmdline", "name"]):
-        part = part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness)
-        if not part:
+        if part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness) not in (
+                "ray", "harness"):
             continue
-        side = "training" if part == "training" else "control"
         try:
-            pin_process(training if side == "training" else [control_core], "--control-core", p.pid)
+            pin_process(control_cores, "--control-cores", p.pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # gone meanwhile, or not ours
-        pinned[side] += 1
-    return dict(pinned)
+        pinned += 1
+    return pinned
 
 
 def chaos(seconds: float, rng: random.Random) -> list[str]:
@@ -285,18 +321,19 @@ def main() -> None:
     parser.add_argument("--callers-per-user", type=int, default=20)
     parser.add_argument("--chaos-s", type=float, default=0)
     parser.add_argument("--steps", type=int, default=None,
-                        help="GRPO steps of the training run; by default enough to outlast the phases and the chaos "
-                             "at ~1 s a step (the demo's steps take 1.2 s here; the first chaos soak's run of 650 "
-                             "steps ended 8 minutes into 30)")
+                        help="GRPO steps of the training run; by default enough to outlast the phases at 2 steps a "
+                             "second (a 16-core machine's pace) and the chaos at ~1 s a step (the first chaos soak's "
+                             "run of 650 steps ended 8 minutes into 30)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--control-core", type=int, default=None,
-                        help="pin the control plane, Ray's own processes and this harness to this core and training to "
-                             "the others, for all three phases (`pin_parts`)")
+    parser.add_argument("--control-cores", type=parse_cores, default=None,
+                        help="e.g. 0 or 0-3: the gateway, coordinator and reward on these cores and rollout, reference "
+                             "and learner on the others (the cluster file's cpu_cores keys), and Ray's own processes "
+                             "and this harness pinned to them too (`pin_the_rest`), for all three phases")
     parser.add_argument("--read-cache-ms", type=int, default=0,
                         help="the cluster file's read_cache_ms (how long the gateway keeps a read's answer)")
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = int(3 * args.phase_s + args.chaos_s) + 100
+        args.steps = int(2 * 4 * args.phase_s + args.chaos_s) + 100
     random.seed(args.seed)
 
     from rlserve.cluster.lifecycle import down, up
@@ -304,17 +341,15 @@ def main() -> None:
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-soak-"))
-    cluster = soak_cluster(root, args.read_cache_ms)
+    cluster = soak_cluster(root, args.read_cache_ms, args.control_cores)
     up(cluster)
     try:
         user_file = cluster.token_files[0]
         from rlserve.clients.coordinator import CoordinatorClient
         from rlserve.clients.credentials import Credentials
 
-        spec = (Path(__file__).resolve().parents[2] / "examples/grpo_addition.yaml").read_text().replace(
-            "max_num_steps: 60", f"max_num_steps: {args.steps}")
         with CoordinatorClient(cluster.grpc_endpoint, token_file=user_file) as client:
-            run = client.submit(spec)
+            run = client.submit(training_spec(args.steps))
         # Well-behaved users and the abuser, each with its own token and a run of its own that waits in
         # the queue behind the training run (cancelled at the end).
         tokens = [add_user(cluster.users_file, f"soak{u}", admin=False)
@@ -329,12 +364,14 @@ def main() -> None:
             while client.get(run.run_id).step < 1:  # past SFT and the first GRPO step
                 time.sleep(2)
         rows = []
-        if args.control_core is not None:
-            print("pinned", pin_parts(args.control_core), flush=True)
+        if args.control_cores:
+            print("pinned", pin_the_rest(args.control_cores), "processes to", args.control_cores, flush=True)
         procs_before, rss_before, _ = cluster_processes()
         abuser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        for phase in ("quiet", "load", "abuse"):
-            callers = Callers(cluster.grpc_endpoint, users, 0 if phase == "quiet" else args.callers)
+        quiet_steps: list[dict[str, float]] = []
+        for phase in ("quiet", "load", "abuse", "quiet again"):
+            idle = phase.startswith("quiet")
+            callers = Callers(cluster.grpc_endpoint, users, 0 if idle else args.callers)
             t0 = time.time()
             cpu_before = cpu_seconds()
 
@@ -346,9 +383,11 @@ def main() -> None:
                 results = await asyncio.gather(*jobs)
                 return results[1] if phase == "abuse" else {}
 
-            answers = asyncio.run(both()) if phase != "quiet" else (time.sleep(args.phase_s) or {})
+            answers = (time.sleep(args.phase_s) or {}) if idle else asyncio.run(both())
             cores = cores_by_part(cpu_before, cpu_seconds(), time.time() - t0)
             steps = step_times(cluster.runs_dir, run.run_id, t0, time.time())
+            if idle:
+                quiet_steps += steps
             lat = [seconds for _, seconds in callers.latencies]
             by_call: dict[str, list[float]] = {}
             for call, seconds in callers.latencies:
@@ -356,8 +395,7 @@ def main() -> None:
             rows.append({"phase": phase, "calls": len(lat), "errors": len(callers.errors),
                          "error_codes": dict(Counter(callers.errors)),
                          "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
-                         "max_ms": max(lat, default=float("nan")) * 1e3, "steps": len(steps),
-                         "step_s": statistics.median(steps) if steps else float("nan"),
+                         "max_ms": max(lat, default=float("nan")) * 1e3, "steps": len(steps), **medians(steps),
                          "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items())),
                          "p99_ms_by_call": {call: round(percentile(v, 0.99) * 1e3, 1)
                                             for call, v in sorted(by_call.items())},
@@ -368,11 +406,11 @@ def main() -> None:
         with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
             for _, run_id in users + [(abuser, abuser_run)]:
                 client.cancel(run_id)
-        quiet = rows[0]["step_s"]
+        quiet = medians(quiet_steps)
         for row in rows:
-            row["step_vs_quiet"] = row["step_s"] / quiet
+            row.update({f"{part.removesuffix('_s')}_vs_quiet": row[part] / quiet[part] for part in STEP_PARTS})
         meta = {"callers": args.callers, "phase_s": args.phase_s, "read_cache_ms": args.read_cache_ms,
-                "control_core": args.control_core}
+                "control_cores": args.control_cores, "cpus": os.cpu_count()}
         if args.chaos_s:
             killed = chaos(args.chaos_s, random.Random(args.seed))
             with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
@@ -397,6 +435,7 @@ def main() -> None:
     finally:
         down(cluster)
     print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "steps", "step_s", "step_vs_quiet",
+                       "generate_vs_quiet", "train_vs_quiet",
                        "abuser"]))
     parts = sorted({part for row in rows for part in row["cores"]})
     calls = sorted({call for row in rows for call in row["p99_ms_by_call"]})

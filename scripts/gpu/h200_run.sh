@@ -6,7 +6,8 @@
 # check, demo (cluster_gpu_one + grpo_addition_gpu), 1b (cluster_gpu_one_1b + grpo_1b_gpu),
 # 1b-megatron (the same on the megatron learner),
 # refit (the 1b workload through the weight store, then by the same-GPU handoff: compare_refit.py),
-# bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu).
+# bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu),
+# soak (scripts/bench/soak.py on the machine's CPU cores; SOAK_ARGS adds to its arguments).
 # Each stage logs to OUT/<stage>.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -76,6 +77,8 @@ PY
           --out "$out/bare.json" > "$out/bare.log" 2>&1; tail -8 "$out/bare.log";;
     gputests) PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} timeout "${GPUTESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider \
                 tests/gpu ${GPUTESTS_ARGS:-} > "$out/gputests.log" 2>&1; tail -15 "$out/gputests.log";;
+    soak) PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} python3 scripts/bench/soak.py ${SOAK_ARGS:-} \
+            > "$out/soak.log" 2>&1; cp bench-results/soak.json "$out/" 2>/dev/null; tail -12 "$out/soak.log";;
     *) echo "unknown stage $stage" >&2; exit 2;;
   esac
 done

@@ -166,8 +166,9 @@ class ClusterFile(BaseModel):
     # this long); 0: only calls made while the same one is forwarded share it.
     read_cache_ms: int = Field(0, ge=0, le=10_000)
     # CPU cores the gateway's process runs on (the services' own are `services.<name>.cpu_cores`); empty: any.
-    # With the control plane (gateway, coordinator, reward) on cores that training does not use, callers cannot
-    # slow a run's steps however many they are (BENCHMARKS.md, the soak with --control-core).
+    # With the control plane (gateway, coordinator, reward) on cores that training does not use, callers take
+    # none of training's: on 16 cores, 500 callers left a run's step at 1.04x quiet (BENCHMARKS.md, the soak
+    # with --control-cores).
     gateway_cpu_cores: list[Annotated[int, Field(ge=0)]] = Field([], max_length=4096)
     # Per-user quotas on runs (rlserve.runs.quotas: unfinished runs, queued runs, samples per run), a
     # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
