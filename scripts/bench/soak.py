@@ -1,7 +1,7 @@
 """Load and abuse against a training cluster: do well-behaved callers and the run itself hold up?
 
 One local cluster (the embedded default's services, its own ports) trains a run of the demo task.
-Its steps are timed in three phases of `--phase-s` seconds each, side by side in one invocation:
+Its steps are timed in four phases of `--phase-s` seconds each, side by side in one invocation:
   - quiet:  only the run;
   - load:   `--callers` concurrent well-behaved callers on loopback (`--callers-per-user` to a user,
             each user with a run of its own waiting in the queue), each looping over GetRun,
@@ -40,8 +40,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -249,18 +254,26 @@ def harness_pids() -> set[int]:
     return {me.pid} | {c.pid for c in me.children(recursive=True)}
 
 
+def processes_by_part() -> Iterator[tuple[psutil.Process, str]]:
+    """Each of the cluster's and this harness's processes, with its part (`part_of`)."""
+    import psutil
+
+    harness = harness_pids()
+    for p in psutil.process_iter(["cmdline", "name"]):
+        part = part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness)
+        if part:
+            yield p, part
+
+
 def cpu_seconds() -> dict[int, tuple[str, float]]:
     """Each of the cluster's and this harness's processes: (its part, CPU seconds so far)."""
     import psutil
 
-    harness = harness_pids()
     out = {}
-    for p in psutil.process_iter(["cmdline", "name"]):
+    for p, part in processes_by_part():
         try:
-            part = part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness)
-            if part:
-                t = p.cpu_times()
-                out[p.pid] = (part, t.user + t.system)
+            t = p.cpu_times()
+            out[p.pid] = (part, t.user + t.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return out
@@ -278,15 +291,11 @@ def cores_by_part(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
 def pin_the_rest(control_cores: list[int]) -> int:
     """Ray's own processes and this harness onto the control plane's cores (`soak_cluster` placed the gateway
     and the services through the cluster file; these have no such key). Returns how many processes it pinned."""
-    import psutil
-
     from rlserve.cpu_affinity import pin_process
 
-    harness = harness_pids()
     pinned = 0
-    for p in psutil.process_iter(["cmdline", "name"]):
-        if part_of(" ".join(p.info["cmdline"] or [])[:300], p.info["name"] or "", p.pid in harness) not in (
-                "ray", "harness"):
+    for p, part in processes_by_part():
+        if part not in ("ray", "harness"):
             continue
         try:
             pin_process(control_cores, "--control-cores", p.pid)
@@ -328,7 +337,7 @@ def main() -> None:
     parser.add_argument("--control-cores", type=parse_cores, default=None,
                         help="e.g. 0 or 0-3: the gateway, coordinator and reward on these cores and rollout, reference "
                              "and learner on the others (the cluster file's cpu_cores keys), and Ray's own processes "
-                             "and this harness pinned to them too (`pin_the_rest`), for all three phases")
+                             "and this harness pinned to them too (`pin_the_rest`), for every phase")
     parser.add_argument("--read-cache-ms", type=int, default=0,
                         help="the cluster file's read_cache_ms (how long the gateway keeps a read's answer)")
     args = parser.parse_args()

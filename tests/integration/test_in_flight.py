@@ -72,6 +72,7 @@ class KeepGenerating:
                 long_generate(self.stub, self.n, seed)
             except grpc.RpcError as err:
                 self.errors.append((time.time(), err))
+                self.done.wait(0.5)  # the killed replica's: Serve may route there until it learns it is gone
 
     def stop(self) -> list[tuple[float, grpc.RpcError]]:
         """Waits for the generations under way; returns the calls that failed (when, the error)."""
