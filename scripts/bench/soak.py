@@ -9,7 +9,8 @@ Its steps are timed in four phases of `--phase-s` seconds each, side by side in 
             tiny run that it cancels at once;
   - abuse:  the same callers, plus one abusive caller (its own token, its own process) doing what once stalled
             everyone: 80 idle WatchRun streams from sequence 10**12, 240 KB specs of 120,000 list
-            items, and 60 MB specs, 4 at a time;
+            items, and 60 MB specs, 4 at a time (with `--abuse-apart`, then one phase for each of the three
+            alone);
   - quiet again: only the run. The baseline is both quiet phases' steps together, so a drift of the run's
             own speed over time (the machine's, or the run's) shows as the two quiet phases disagreeing
             rather than as an effect of the callers.
@@ -25,7 +26,7 @@ before and after.
 Prints a table and writes bench-results/soak.json.
 
     .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps N]
-                                           [--control-cores 0-3]
+                                           [--control-cores 0-3] [--abuse-apart]
 """
 
 from __future__ import annotations
@@ -156,8 +157,13 @@ class Callers:
         await asyncio.gather(*(self.caller(i, stop) for i in range(self.n)))
 
 
-async def abuse(endpoint: str, token: str, run_id: str, seconds: float) -> dict[str, int]:
-    """What once stalled every caller, from one token; counts how each attempt was answered."""
+ABUSES = ("idle watches", "slow specs", "huge specs")
+
+
+async def abuse(endpoint: str, token: str, run_id: str, seconds: float, kinds: tuple[str, ...] = ABUSES
+                ) -> dict[str, int]:
+    """What once stalled every caller, from one token (`kinds`: which of `ABUSES`); counts how each attempt
+    was answered."""
     import grpc
 
     from rlserve.v1 import coordinator_pb2 as pb
@@ -166,12 +172,12 @@ async def abuse(endpoint: str, token: str, run_id: str, seconds: float) -> dict[
     md = (("authorization", f"Bearer {token}"),)
     answers: dict[str, int] = {}
     stop = time.monotonic() + seconds
-    slow = "a: [" + ",".join(["1"] * 120_000) + "]"
-    huge = "a: " + "x" * (60 * 2**20)
+    specs = ["a: [" + ",".join(["1"] * 120_000) + "]"] * 4 * ("slow specs" in kinds) + \
+            ["a: " + "x" * (60 * 2**20)] * 4 * ("huge specs" in kinds)
     async with grpc.aio.insecure_channel(endpoint, options=[("grpc.max_send_message_length", 2**27)]) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         streams = [stub.WatchRun(pb.WatchRunRequest(run_id=run_id, from_sequence=10**12), metadata=md)
-                   for _ in range(80)]
+                   for _ in range(80 * ("idle watches" in kinds))]
 
         async def spec(text: str) -> None:
             try:
@@ -181,7 +187,7 @@ async def abuse(endpoint: str, token: str, run_id: str, seconds: float) -> dict[
                 answers[err.code().name] = answers.get(err.code().name, 0) + 1
 
         while time.monotonic() < stop:
-            await asyncio.gather(*(spec(slow) for _ in range(4)), *(spec(huge) for _ in range(4)))
+            await (asyncio.gather(*(spec(text) for text in specs)) if specs else asyncio.sleep(stop - time.monotonic()))
         for s in streams:
             key = f"watch:{(await s.code()).name}" if s.done() else "watch:open"
             answers[key] = answers.get(key, 0) + 1
@@ -189,10 +195,11 @@ async def abuse(endpoint: str, token: str, run_id: str, seconds: float) -> dict[
     return answers
 
 
-def abuse_in_own_process(endpoint: str, token: str, run_id: str, seconds: float) -> dict[str, int]:
+def abuse_in_own_process(endpoint: str, token: str, run_id: str, seconds: float,
+                         kinds: tuple[str, ...]) -> dict[str, int]:
     """`abuse` in a process of its own: building and sending 60 MB specs must not stall the well-behaved
     callers' event loop, or their latencies would measure this harness rather than the service."""
-    return asyncio.run(abuse(endpoint, token, run_id, seconds))
+    return asyncio.run(abuse(endpoint, token, run_id, seconds, kinds))
 
 
 STEP_PARTS = {"step_s": "timing/step_s", "generate_s": "timing/generate_s", "train_s": "timing/train_s"}
@@ -338,11 +345,13 @@ def main() -> None:
                         help="e.g. 0 or 0-3: the gateway, coordinator and reward on these cores and rollout, reference "
                              "and learner on the others (the cluster file's cpu_cores keys), and Ray's own processes "
                              "and this harness pinned to them too (`pin_the_rest`), for every phase")
+    parser.add_argument("--abuse-apart", action="store_true",
+                        help="after the abuse phase, one phase for each kind of abuse alone (which one costs what)")
     parser.add_argument("--read-cache-ms", type=int, default=0,
                         help="the cluster file's read_cache_ms (how long the gateway keeps a read's answer)")
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = int(2 * 4 * args.phase_s + args.chaos_s) + 100
+        args.steps = int(2 * (4 + 3 * args.abuse_apart) * args.phase_s + args.chaos_s) + 100
     random.seed(args.seed)
 
     from rlserve.cluster.lifecycle import down, up
@@ -378,7 +387,8 @@ def main() -> None:
         procs_before, rss_before, _ = cluster_processes()
         abuser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         quiet_steps: list[dict[str, float]] = []
-        for phase in ("quiet", "load", "abuse", "quiet again"):
+        abuses = {"abuse": ABUSES} | ({f"abuse: {kind}": (kind,) for kind in ABUSES} if args.abuse_apart else {})
+        for phase in ("quiet", "load", *abuses, "quiet again"):
             idle = phase.startswith("quiet")
             callers = Callers(cluster.grpc_endpoint, users, 0 if idle else args.callers)
             t0 = time.time()
@@ -386,11 +396,12 @@ def main() -> None:
 
             async def both() -> dict[str, int]:
                 jobs = [callers.run(args.phase_s)]
-                if phase == "abuse":
+                if phase in abuses:
                     jobs.append(asyncio.get_running_loop().run_in_executor(
-                        abuser_pool, abuse_in_own_process, cluster.grpc_endpoint, abuser, abuser_run, args.phase_s))
+                        abuser_pool, abuse_in_own_process, cluster.grpc_endpoint, abuser, abuser_run, args.phase_s,
+                        abuses[phase]))
                 results = await asyncio.gather(*jobs)
-                return results[1] if phase == "abuse" else {}
+                return results[1] if phase in abuses else {}
 
             answers = (time.sleep(args.phase_s) or {}) if idle else asyncio.run(both())
             cores = cores_by_part(cpu_before, cpu_seconds(), time.time() - t0)
@@ -419,6 +430,7 @@ def main() -> None:
         for row in rows:
             row.update({f"{part.removesuffix('_s')}_vs_quiet": row[part] / quiet[part] for part in STEP_PARTS})
         meta = {"callers": args.callers, "phase_s": args.phase_s, "read_cache_ms": args.read_cache_ms,
+                "abuse_apart": args.abuse_apart,
                 "control_cores": args.control_cores, "cpus": os.cpu_count()}
         if args.chaos_s:
             killed = chaos(args.chaos_s, random.Random(args.seed))

@@ -6,7 +6,8 @@ limits; the peer address when authentication is off) gets at most
 `rate` calls per second with bursts of `burst` (a token bucket), and requests
 of at most `max_request_kb` (public RPCs; internal ones, admin-only, carry
 training batches and take the gateway's message limit). A call over a limit gets RESOURCE_EXHAUSTED at once, before it is
-decoded or forwarded, naming the limit and the cluster-file key that sets it.
+decoded or forwarded, naming the limit and the cluster-file key that sets it. Without the internal RPCs on the
+endpoint, gRPC's transport refuses a request over `max_request_kb` before the limiter sees it (`server.start`).
 """
 
 from __future__ import annotations

@@ -233,9 +233,16 @@ def test_oversized_requests_and_floods_get_resource_exhausted_before_forwarding(
     g = gateway(limits=CallerLimits(max_request_kb=256, rate=5, burst=5))
     ch, md = g.channel(g.user)
     stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+    # No internal RPCs on the endpoint: gRPC's transport refuses it from its length prefix, unread.
     err = _code(lambda: stub.SubmitRun(pb.SubmitRunRequest(spec_yaml="a" * (300 * 1024)), metadata=md))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.details()
     assert "SubmitRun" not in g.calls
+    # With them, training batches come in and the limiter refuses an oversized run-facing call, naming the key.
+    exposed = gateway(expose_internal=True, limits=CallerLimits(max_request_kb=256))
+    err = _code(lambda: coordinator_pb2_grpc.CoordinatorStub(exposed.channel(exposed.user)[0]).SubmitRun(
+        pb.SubmitRunRequest(spec_yaml="a" * (300 * 1024)), metadata=exposed.channel(exposed.user)[1]))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
+    assert "SubmitRun" not in exposed.calls
     codes = []
     for _ in range(10):
         try:
