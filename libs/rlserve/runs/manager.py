@@ -48,11 +48,12 @@ from pathlib import Path
 
 import grpc
 
-from rlserve.config import RunSpec, SpecError, load_spec, spec_to_yaml
+from rlserve.config import RunSpec, SpecError, spec_to_yaml
 from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
 from rlserve.runs.quotas import Quotas
 from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run
+from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import RunAccess
 from rlserve.security.principal import SYSTEM, Principal
 from rlserve.v1 import coordinator_pb2 as pb
@@ -135,6 +136,7 @@ class RunManager:
         self._slots: dict[str, _Slot] = {}
         self.queue: list[str] = []
         self.closing = False
+        self.specs = SpecReader()
         runs_dir.mkdir(parents=True, exist_ok=True)
         self._load_earlier_runs()
 
@@ -178,11 +180,11 @@ class RunManager:
         for run in finished[:-EVENTS_KEPT]:
             run.forget_events()
 
-    def _load_spec(self, spec_yaml: str) -> RunSpec:
-        """Parsing runs in a worker thread (its cost is bounded, `rlserve.config.load_spec`), so one
-        caller's spec never holds up the others' calls."""
+    async def _load_spec(self, spec_yaml: str, caller: Principal) -> RunSpec:
+        """Read in a process of its own, each caller's specs in turn with the others' (`spec_reader`), so one
+        caller's specs never hold up the others' calls or the runs."""
         try:
-            return load_spec(spec_yaml)
+            return await self.specs.read(spec_yaml, caller.name)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
 
@@ -212,11 +214,11 @@ class RunManager:
         if earlier is not None and earlier.state not in TERMINAL:
             raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[earlier.state]}")
         access = self._run_access(caller)
-        stored = await self.admission.check(await asyncio.to_thread(self._load_spec,
-                                                                   (run_dir / "spec.yaml").read_text()), access)
+        stored = await self.admission.check(await self._load_spec((run_dir / "spec.yaml").read_text(), caller),
+                                            access)
         spec, key = stored, f"{stored.algorithm}.max_num_steps"
         if spec_yaml.strip():
-            spec = await self.admission.check(await asyncio.to_thread(self._load_spec, spec_yaml), access)
+            spec = await self.admission.check(await self._load_spec(spec_yaml, caller), access)
             mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
             mine[stored.algorithm].pop("max_num_steps")
             theirs[stored.algorithm].pop("max_num_steps")
@@ -231,7 +233,7 @@ class RunManager:
 
     async def _new_spec(self, spec_yaml: str, run_id: str, caller: Principal) -> tuple[RunSpec, str]:
         """A new run's spec (its files confined) and its id in the caller's namespace."""
-        spec = await asyncio.to_thread(self._load_spec, spec_yaml)
+        spec = await self._load_spec(spec_yaml, caller)
         run_id = scoped_run_id(caller, run_id or f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-"
                                                  f"{secrets.token_hex(2)}")
         if run_id in self._slots or (self.runs_dir / run_id).exists():
@@ -361,6 +363,7 @@ class RunManager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.specs.close()
 
     def _may_start(self, head: _Slot) -> bool:
         """Whether the queue's head may start beside the runs that are active."""

@@ -1,0 +1,112 @@
+"""Specs are read in a process of their own, taken in turn from each caller.
+
+Reading a spec is bounded (`rlserve.config.load_spec`: 256 KiB, 20,000 nodes), but at its bound it still
+costs ~30 ms of Python, and a worker thread in the coordinator holds the GIL that its run loops need: on
+2 cores, one caller sending such specs without pause made a training step 9x slower. Here the coordinator
+only ships the text and gets the RunSpec back, and a caller with many specs waiting is served one at a
+time, in turn with every other caller, so its queue delays nobody else's spec by more than one reading.
+
+The reader is started on first use and again after it dies; a spec that kills it, or that it does not
+answer within `READ_TIMEOUT_S`, is refused. It runs `python -m rlserve.runs.spec_reader` with the
+coordinator's interpreter and import path, and speaks length-prefixed pickles on its stdin and stdout
+(what it sends back is built by its own code from the text: a RunSpec or a list of problems).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import struct
+import sys
+from collections import OrderedDict, deque
+
+from rlserve.config import RunSpec, SpecError, load_spec
+from rlserve.logs import event
+from rlserve.rpc import clean
+
+log = logging.getLogger("rlserve.coordinator")
+READ_TIMEOUT_S = 10.0
+_LENGTH = struct.Struct("!I")
+
+
+class SpecReader:
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._waiting: OrderedDict[str, deque[tuple[str, asyncio.Future]]] = OrderedDict()
+        self._serving: asyncio.Task | None = None
+
+    async def read(self, text: str, caller: str) -> RunSpec:
+        """The spec `text` of `caller` (a principal's name); SpecError naming what is wrong with it."""
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(caller, deque()).append((text, answer))
+        if self._serving is None or self._serving.done():
+            self._serving = asyncio.create_task(self._serve())
+        return await answer
+
+    async def _serve(self) -> None:
+        """One spec of each waiting caller in turn, until none waits."""
+        while self._waiting:
+            caller, specs = self._waiting.popitem(last=False)
+            text, answer = specs.popleft()
+            if specs:
+                self._waiting[caller] = specs  # behind every other caller
+            if answer.cancelled():
+                continue
+            try:
+                result = await self._ask(text)
+            except Exception as err:  # noqa: BLE001 - the reader died or hung: this spec is refused, the next is read
+                await self._stop()
+                event(log, "spec_reader.failed", logging.WARNING, caller=caller, error=clean(repr(err)))
+                result = SpecError(["<root>: the spec could not be read (the reader stopped on it)"])
+            if not answer.done():
+                (answer.set_exception if isinstance(result, SpecError) else answer.set_result)(result)
+
+    async def _ask(self, text: str) -> RunSpec | SpecError:
+        if self._proc is None or self._proc.returncode is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "rlserve.runs.spec_reader", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, env=env)
+        proc = self._proc
+        data = text.encode("utf-8", errors="surrogatepass")
+        proc.stdin.write(_LENGTH.pack(len(data)) + data)
+        await proc.stdin.drain()
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            size, = _LENGTH.unpack(await proc.stdout.readexactly(_LENGTH.size))
+            ok, value = pickle.loads(await proc.stdout.readexactly(size))  # noqa: S301 - our own child's answer
+        return value if ok else SpecError(value)
+
+    async def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+    async def close(self) -> None:
+        for specs in self._waiting.values():
+            for _, answer in specs:
+                answer.cancel()
+        self._waiting.clear()
+        if self._serving is not None:
+            self._serving.cancel()
+        await self._stop()
+
+
+def main() -> None:
+    """The reader's loop: a spec's text in, (True, RunSpec) or (False, its problems) out, until stdin ends."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while header := stdin.read(_LENGTH.size):
+        text = stdin.read(_LENGTH.unpack(header)[0]).decode("utf-8", errors="surrogatepass")
+        try:
+            answer = (True, load_spec(text))
+        except SpecError as err:
+            answer = (False, err.problems)
+        data = pickle.dumps(answer)
+        stdout.write(_LENGTH.pack(len(data)) + data)
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The coordinator's spec reader: a real child process, fed by real asyncio pipes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from rlserve.config import SpecError, load_spec
+from rlserve.runs.spec_reader import SpecReader
+
+EXAMPLE = (Path(__file__).resolve().parents[3] / "examples/grpo_addition.yaml").read_text()
+SLOW = "a: [" + ",".join(["1"] * 120_000) + "]"  # refused at the node bound, after ~30 ms of reading
+
+
+async def _problems(reader: SpecReader, text: str, caller: str = "alice") -> list[str]:
+    with pytest.raises(SpecError) as err:
+        await reader.read(text, caller)
+    return err.value.problems
+
+
+def test_it_reads_what_load_spec_reads_in_another_process():
+    async def main() -> None:
+        reader = SpecReader()
+        try:
+            assert await reader.read(EXAMPLE, "alice") == load_spec(EXAMPLE)
+            assert reader._proc.pid != os.getpid()
+            for bad in ("", "a: 1\na: 2\n", "grpo: {max_num_steps: true}", SLOW):
+                with pytest.raises(SpecError) as expected:
+                    load_spec(bad)
+                assert await _problems(reader, bad) == expected.value.problems
+        finally:
+            await reader.close()
+    asyncio.run(main())
+
+
+def test_a_caller_with_many_specs_waiting_delays_another_by_one_reading():
+    """Before: specs were read in the coordinator's threads, first come first served."""
+    async def main() -> None:
+        reader = SpecReader()
+        done: list[str] = []
+
+        async def submit(text: str, caller: str) -> None:
+            try:
+                await reader.read(text, caller)
+            except SpecError:
+                pass
+            done.append(caller)
+        try:
+            await reader.read(EXAMPLE, "warm")
+            await asyncio.gather(*(submit(SLOW, "mallory") for _ in range(20)), submit(EXAMPLE, "alice"))
+        finally:
+            await reader.close()
+        assert done.index("alice") <= 1, done
+    asyncio.run(main())
+
+
+def test_a_reader_that_dies_refuses_the_spec_it_was_reading_and_the_next_one_is_read():
+    async def main() -> None:
+        reader = SpecReader()
+        try:
+            await reader.read(EXAMPLE, "alice")
+            first = reader._proc
+            reading = asyncio.create_task(_problems(reader, SLOW))
+            await asyncio.sleep(0.005)  # written; its reading takes ~30 ms
+            first.kill()
+            assert "the reader stopped" in (await reading)[0]
+            assert await reader.read(EXAMPLE, "alice") == load_spec(EXAMPLE)
+            second = reader._proc
+            assert second.pid != first.pid
+            second.kill()  # between two specs: the next one starts another, unnoticed
+            await second.wait()
+            assert await reader.read(EXAMPLE, "alice") == load_spec(EXAMPLE)
+        finally:
+            await reader.close()
+        assert reader._proc is None
+    asyncio.run(main())
