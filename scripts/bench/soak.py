@@ -240,7 +240,8 @@ def cluster_processes() -> tuple[int, int, int]:
 def part_of(cmdline: str, name: str, harness: bool) -> str:
     """Which part of the system a process is, for the CPU each part takes in a phase. `harness`: this process
     or one it started (the cluster's processes are among them: `up` starts Ray from here)."""
-    for part, marks in (("gateway", ("ServeReplica:gateway",)), ("coordinator", ("ServeReplica:coordinator",)),
+    for part, marks in (("gateway", ("ServeReplica:gateway",)),
+                        ("coordinator", ("ServeReplica:coordinator", "rlserve.runs.spec_reader")),
                         ("reward", ("ServeReplica:reward",)),
                         ("training", ("ServeReplica:rollout", "ServeReplica:reference", "ServeReplica:learner",
                                       "LearnerWorker"))):

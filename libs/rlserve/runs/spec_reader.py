@@ -6,6 +6,10 @@ costs ~30 ms of Python, and a worker thread in the coordinator holds the GIL tha
 only ships the text and gets the RunSpec back, and a caller with many specs waiting is served one at a
 time, in turn with every other caller, so its queue delays nobody else's spec by more than one reading.
 
+The reader runs at the lowest CPU priority (`READER_NICE`): what it reads at length is mostly what
+one caller sends without pause, and at the coordinator's priority it preempted training (niced 10 by
+default), whose threads then wait on each other: on 2 cores such a caller still made a step 6x slower.
+
 The reader is started on first use and again after it dies; a spec that kills it, or that it does not
 answer within `READ_TIMEOUT_S`, is refused. It runs `python -m rlserve.runs.spec_reader` with the
 coordinator's interpreter and import path, and speaks length-prefixed pickles on its stdin and stdout
@@ -28,6 +32,7 @@ from rlserve.rpc import clean
 
 log = logging.getLogger("rlserve.coordinator")
 READ_TIMEOUT_S = 10.0
+READER_NICE = 19
 _LENGTH = struct.Struct("!I")
 
 
@@ -96,6 +101,7 @@ class SpecReader:
 
 def main() -> None:
     """The reader's loop: a spec's text in, (True, RunSpec) or (False, its problems) out, until stdin ends."""
+    os.nice(max(0, READER_NICE - os.nice(0)))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while header := stdin.read(_LENGTH.size):
         text = stdin.read(_LENGTH.unpack(header)[0]).decode("utf-8", errors="surrogatepass")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlserve.config import SpecError, load_spec
-from rlserve.runs.spec_reader import SpecReader
+from rlserve.runs.spec_reader import READER_NICE, SpecReader
 
 EXAMPLE = (Path(__file__).resolve().parents[3] / "examples/grpo_addition.yaml").read_text()
 SLOW = "a: [" + ",".join(["1"] * 120_000) + "]"  # refused at the node bound, after ~30 ms of reading
@@ -27,6 +27,7 @@ def test_it_reads_what_load_spec_reads_in_another_process():
         try:
             assert await reader.read(EXAMPLE, "alice") == load_spec(EXAMPLE)
             assert reader._proc.pid != os.getpid()
+            assert os.getpriority(os.PRIO_PROCESS, reader._proc.pid) == READER_NICE
             for bad in ("", "a: 1\na: 2\n", "grpo: {max_num_steps: true}", SLOW):
                 with pytest.raises(SpecError) as expected:
                     load_spec(bad)
