@@ -29,6 +29,7 @@ from rlserve.runs.feed import run_feed
 from rlserve.runs.manager import RunManager
 from rlserve.runs.quotas import Quotas, QuotasCfg
 from rlserve.runs.record import Run
+from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import PathsArgs
 from rlserve.security.plugins import PluginPolicy
 from rlserve.security.principal import SYSTEM, Principal
@@ -74,6 +75,8 @@ class CoordinatorArgs(BaseModel):
     cluster_file: str | None = None
     # How often the gateway's copy of the runs is brought up to date (a run's own progress shows within it).
     run_feed_interval_s: float = Field(0.1, gt=0, le=10)
+    # Each user's share of the spec reader (`rlserve.runs.spec_reader`): seconds of reading a second.
+    spec_reading_share: float = Field(0.1, gt=0, le=1)
 
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
@@ -93,7 +96,8 @@ class Coordinator:
         quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
                                   self.args.preflight_timeout_s, self.args.resume_on_restart,
-                                  self.args.max_queued_runs, quotas, self.args.max_concurrent_runs)
+                                  self.args.max_queued_runs, quotas, self.args.max_concurrent_runs,
+                                  SpecReader(self.args.spec_reading_share))
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
                   ) -> RunServices:

@@ -233,3 +233,23 @@ def test_a_restarted_coordinator_knows_every_owner_and_the_same_quotas(tenants, 
     assert err.code() == grpc.StatusCode.NOT_FOUND and err.details() == hidden
     err = rpc_error(lambda: bob.submit(spec(grpo__max_num_steps=4)))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == over
+
+
+def test_a_user_flooding_the_spec_reader_is_refused_and_another_users_spec_is_still_read(tenants):
+    """Each user's share of the coordinator's spec reader (0.1 s of reading a second, bursts of 2 s):
+    specs at the parser's bounds (~30 ms each) one after another spend it within seconds."""
+    mallory = CoordinatorClient(tenants.tc.endpoint, credentials=Credentials(
+        add_user(tenants.users_file, "mallory", admin=False)))
+    time.sleep(RELOAD_S)
+    slow = "a: [" + ",".join(["1"] * 120_000) + "]"
+    try:
+        for attempt in range(400):
+            err = rpc_error(lambda: mallory.submit(slow))
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                break
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "more than 20000 values" in err.details()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "spec_reading_share" in err.details(), attempt
+        err = rpc_error(lambda: tenants.client("alice").submit("grpo: {max_num_steps: true}"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "grpo.max_num_steps" in err.details()
+    finally:
+        mallory.close()

@@ -53,7 +53,7 @@ from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
 from rlserve.runs.quotas import Quotas
 from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run
-from rlserve.runs.spec_reader import SpecReader
+from rlserve.runs.spec_reader import ReadingShareSpent, SpecReader
 from rlserve.security.paths import RunAccess
 from rlserve.security.principal import SYSTEM, Principal
 from rlserve.v1 import coordinator_pb2 as pb
@@ -123,7 +123,7 @@ def _not_found(run_id: str) -> RpcError:
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
                  resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None,
-                 max_concurrent_runs: int = 1):
+                 max_concurrent_runs: int = 1, specs: SpecReader | None = None):
         self.runs_dir = runs_dir
         self.body = body
         self.admission = admission
@@ -136,7 +136,7 @@ class RunManager:
         self._slots: dict[str, _Slot] = {}
         self.queue: list[str] = []
         self.closing = False
-        self.specs = SpecReader()
+        self.specs = specs or SpecReader()
         runs_dir.mkdir(parents=True, exist_ok=True)
         self._load_earlier_runs()
 
@@ -187,6 +187,8 @@ class RunManager:
             return await self.specs.read(spec_yaml, caller.name)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
+        except ReadingShareSpent as err:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
 
     def _visible(self, run_id: str, caller: Principal) -> _Slot | None:
         slot = self._slots.get(run_id)

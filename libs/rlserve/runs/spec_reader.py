@@ -10,6 +10,10 @@ The reader runs at the lowest CPU priority (`READER_NICE`): what it reads at len
 one caller sends without pause, and at the coordinator's priority it preempted training (niced 10 by
 default), whose threads then wait on each other: on 2 cores such a caller still made a step 6x slower.
 
+Each caller also has a share of the reader: `share` seconds of reading a second, in bursts of up to
+`burst_s` (a token bucket in seconds of reading). A run spec reads in ~3 ms, so no one who submits runs
+meets it; a caller over it gets `ReadingShareSpent` (RESOURCE_EXHAUSTED) before its spec is read.
+
 The reader is started on first use and again after it dies; a spec that kills it, or that it does not
 answer within `READ_TIMEOUT_S`, is refused. It runs `python -m rlserve.runs.spec_reader` with the
 coordinator's interpreter and import path, and speaks length-prefixed pickles on its stdin and stdout
@@ -24,6 +28,7 @@ import os
 import pickle
 import struct
 import sys
+import time
 from collections import OrderedDict, deque
 
 from rlserve.config import RunSpec, SpecError, load_spec
@@ -36,14 +41,33 @@ READER_NICE = 19
 _LENGTH = struct.Struct("!I")
 
 
+class ReadingShareSpent(Exception):
+    """A caller's specs took more than its share of the reader; the message says how much that is."""
+
+
 class SpecReader:
-    def __init__(self) -> None:
+    def __init__(self, share: float = 0.1, burst_s: float = 2.0) -> None:
+        self.share, self.burst_s = share, burst_s
         self._proc: asyncio.subprocess.Process | None = None
         self._waiting: OrderedDict[str, deque[tuple[str, asyncio.Future]]] = OrderedDict()
         self._serving: asyncio.Task | None = None
+        self._left: dict[str, tuple[float, float]] = {}  # caller -> (seconds of reading left, when)
+
+    def _seconds_left(self, caller: str) -> float:
+        left, when = self._left.get(caller, (self.burst_s, time.monotonic()))
+        now = time.monotonic()
+        left = min(self.burst_s, left + (now - when) * self.share)
+        self._left[caller] = (left, now)
+        return left
 
     async def read(self, text: str, caller: str) -> RunSpec:
-        """The spec `text` of `caller` (a principal's name); SpecError naming what is wrong with it."""
+        """The spec `text` of `caller` (a principal's name); SpecError naming what is wrong with it,
+        ReadingShareSpent when the caller's specs have used up its share of the reader."""
+        if self._seconds_left(caller) <= 0:
+            raise ReadingShareSpent(
+                f"your specs took more than your share of the coordinator's spec reader ({self.share:g} s of "
+                f"reading a second, in bursts of {self.burst_s:g} s; a run spec takes ~3 ms); the cluster "
+                f"file's services.coordinator.args.spec_reading_share sets it")
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(caller, deque()).append((text, answer))
         if self._serving is None or self._serving.done():
@@ -59,12 +83,15 @@ class SpecReader:
                 self._waiting[caller] = specs  # behind every other caller
             if answer.cancelled():
                 continue
+            began = time.monotonic()
             try:
                 result = await self._ask(text)
             except Exception as err:  # noqa: BLE001 - the reader died or hung: this spec is refused, the next is read
                 await self._stop()
                 event(log, "spec_reader.failed", logging.WARNING, caller=caller, error=clean(repr(err)))
                 result = SpecError(["<root>: the spec could not be read (the reader stopped on it)"])
+            left = self._seconds_left(caller)
+            self._left[caller] = (left - (time.monotonic() - began), time.monotonic())
             if not answer.done():
                 (answer.set_exception if isinstance(result, SpecError) else answer.set_result)(result)
 

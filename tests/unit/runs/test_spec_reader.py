@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlserve.config import SpecError, load_spec
-from rlserve.runs.spec_reader import READER_NICE, SpecReader
+from rlserve.runs.spec_reader import READER_NICE, ReadingShareSpent, SpecReader
 
 EXAMPLE = (Path(__file__).resolve().parents[3] / "examples/grpo_addition.yaml").read_text()
 SLOW = "a: [" + ",".join(["1"] * 120_000) + "]"  # refused at the node bound, after ~30 ms of reading
@@ -77,4 +77,26 @@ def test_a_reader_that_dies_refuses_the_spec_it_was_reading_and_the_next_one_is_
         finally:
             await reader.close()
         assert reader._proc is None
+    asyncio.run(main())
+
+
+def test_a_caller_over_its_share_of_the_reader_is_refused_before_reading_and_others_are_not():
+    async def main() -> None:
+        reader = SpecReader(share=0.001, burst_s=0.05)
+        try:
+            await reader.read(EXAMPLE, "warm")
+            refused = None
+            for attempt in range(20):  # each ~30 ms of reading: the burst is spent within a few
+                try:
+                    await reader.read(SLOW, "mallory")
+                except SpecError:
+                    continue
+                except ReadingShareSpent as err:
+                    refused = attempt, str(err)
+                    break
+            assert refused is not None and refused[0] <= 5, refused
+            assert "spec_reading_share" in refused[1]
+            assert await reader.read(EXAMPLE, "alice") == load_spec(EXAMPLE)
+        finally:
+            await reader.close()
     asyncio.run(main())
