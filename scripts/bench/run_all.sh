@@ -8,3 +8,4 @@ $PY scripts/bench/rollout.py
 $PY scripts/bench/learner.py
 $PY scripts/bench/async_loop.py
 $PY scripts/bench/gateway.py
+$PY scripts/bench/oversized_requests.py --calls 30

@@ -236,8 +236,9 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     methods = served_methods(cfg)
     # Without the internal RPCs no caller may send more than limits.max_request_kb, so gRPC's transport
     # refuses a larger request from its length prefix, before reading it: a 60 MB request cost the gateway
-    # 134 ms of CPU read in full and refused by the limiter, 19 ms refused this way (issue 26's soak). With
-    # them, training batches come in and only the limiter bounds the run-facing RPCs.
+    # 125 ms of CPU read in full and refused by the limiter, 16 ms refused this way
+    # (scripts/bench/oversized_requests.py). With them, training batches come in and only the limiter
+    # bounds the run-facing RPCs.
     limit = cfg.max_message_mb * 2**20 if cfg.expose_internal else cfg.limits.max_request_kb * 1024
     reads = ReadCache(cfg.read_cache_ms / 1000)
 
