@@ -148,6 +148,7 @@ def main() -> None:
     """The reader's loop: a spec's text in, (True, RunSpec) or (False, its problems) out, until stdin ends."""
     os.nice(max(0, READER_NICE - os.nice(0)))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed while reading goes to the log, never into an answer
     while header := stdin.read(_LENGTH.size):
         text = stdin.read(_LENGTH.unpack(header)[0]).decode("utf-8", errors="surrogatepass")
         try:
