@@ -15,7 +15,8 @@ Its steps are timed in four phases of `--phase-s` seconds each, side by side in 
             own speed over time (the machine's, or the run's) shows as the two quiet phases disagreeing
             rather than as an effect of the callers.
 Reported per phase: p50, p99 and max latency of the well-behaved calls (and the p99 of each kind of call), their
-errors by code, the abuser's refusals, the run's median step time (and its generation and training parts)
+errors by code, how long the callers' own event loop stalled (over 50 ms) and the p99 of the calls made during
+none of its stalls, the abuser's refusals, the run's median step time (and its generation and training parts)
 against the quiet phases', and the cores each
 part kept busy (gateway, coordinator, reward, training, Ray's own processes, and this harness, which shares
 the machine). With `--chaos-s`, a chaos soak
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import multiprocessing
 import os
 import random
@@ -56,6 +58,7 @@ from scripts.bench.common import record, table  # noqa: E402
 
 PORT_BASE = 6980
 TINY = "name: soak-tiny\ngrpo: {max_num_steps: 1, num_prompts_per_step: 2, num_generations_per_prompt: 2}\n"
+STALL_S = 0.05  # a lag of the callers' event loop longer than this is a stall of this harness
 KILLABLE = ("rollout", "reward", "reference", "LearnerWorker", "coordinator", "gateway")
 
 
@@ -116,7 +119,10 @@ class Callers:
     def __init__(self, endpoint: str, users: list[tuple[str, str]], n: int):
         self.endpoint, self.users, self.n = endpoint, users, n  # users: (token, run id)
         self.latencies: list[tuple[str, float]] = []  # (the call, seconds)
+        self.spans: list[tuple[float, float]] = []  # each call's (start, end), perf_counter seconds
         self.errors: list[str] = []
+        self.loop_lags: list[float] = []  # seconds (`watch_loop`)
+        self.stalls: list[tuple[float, float]] = []  # (start, end) of each lag over STALL_S
 
     async def caller(self, i: int, stop: float) -> None:
         import grpc
@@ -147,14 +153,38 @@ class Callers:
                         call = "SubmitRun+CancelRun"
                         run = (await stub.SubmitRun(pb.SubmitRunRequest(spec_yaml=TINY), metadata=md, timeout=30)).run
                         await stub.CancelRun(pb.CancelRunRequest(run_id=run.run_id), metadata=md, timeout=30)
-                    self.latencies.append((call, time.perf_counter() - t0))
+                    t1 = time.perf_counter()
+                    self.latencies.append((call, t1 - t0))
+                    self.spans.append((t0, t1))
                 except grpc.aio.AioRpcError as err:
                     self.errors.append(err.code().name)
                 await asyncio.sleep(random.uniform(0.2, 1.0))
 
     async def run(self, seconds: float) -> None:
         stop = time.monotonic() + seconds
-        await asyncio.gather(*(self.caller(i, stop) for i in range(self.n)))
+        await asyncio.gather(*(self.caller(i, stop) for i in range(self.n)), self.watch_loop(stop))
+
+    async def watch_loop(self, stop: float, tick: float = 0.01) -> None:
+        """How late this process's event loop wakes: every latency above includes it, so a phase's p99 is the
+        service's only where the loop's lag is small against it."""
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            await asyncio.sleep(tick)
+            late = time.perf_counter() - t0 - tick
+            self.loop_lags.append(late)
+            if late > STALL_S:
+                self.stalls.append((t0 + tick, t0 + tick + late))
+
+    def latencies_outside_stalls(self) -> list[float]:
+        """The calls during none of this loop's stalls: what the service's latency is, apart from this harness's
+        (on 2 cores the callers' own process stalls for up to half a second now and then)."""
+        starts = [start for start, _ in self.stalls]
+        out = []
+        for t0, t1 in self.spans:
+            i = bisect.bisect_left(starts, t1)  # stalls that began before the call ended
+            if i == 0 or self.stalls[i - 1][1] <= t0:  # the stalls follow one another: their ends are in order
+                out.append(t1 - t0)
+        return out
 
 
 ABUSES = ("idle watches", "slow specs", "huge specs")
@@ -416,7 +446,12 @@ def main() -> None:
             rows.append({"phase": phase, "calls": len(lat), "errors": len(callers.errors),
                          "error_codes": dict(Counter(callers.errors)),
                          "p50_ms": percentile(lat, 0.5) * 1e3, "p99_ms": percentile(lat, 0.99) * 1e3,
-                         "max_ms": max(lat, default=float("nan")) * 1e3, "steps": len(steps), **medians(steps),
+                         "max_ms": max(lat, default=float("nan")) * 1e3,
+                         "p99_ms_outside_stalls": percentile(callers.latencies_outside_stalls(), 0.99) * 1e3,
+                         "harness_lag_p99_ms": percentile(callers.loop_lags, 0.99) * 1e3,
+                         "harness_lag_max_ms": max(callers.loop_lags, default=float("nan")) * 1e3,
+                         "harness_stalled_s": sum(end - start for start, end in callers.stalls),
+                         "steps": len(steps), **medians(steps),
                          "abuser": ", ".join(f"{k} {v}" for k, v in sorted(answers.items())),
                          "p99_ms_by_call": {call: round(percentile(v, 0.99) * 1e3, 1)
                                             for call, v in sorted(by_call.items())},
@@ -456,7 +491,9 @@ def main() -> None:
             meta.update({"processes_after": procs_after, "rss_after_mb": rss_after / 2**20, "zombies_after": zombies})
     finally:
         down(cluster)
-    print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "steps", "step_s", "step_vs_quiet",
+    print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "p99_ms_outside_stalls", "harness_stalled_s",
+                       "steps",
+                       "step_s", "step_vs_quiet",
                        "generate_vs_quiet", "train_vs_quiet",
                        "abuser"]))
     parts = sorted({part for row in rows for part in row["cores"]})
