@@ -491,10 +491,8 @@ def main() -> None:
             meta.update({"processes_after": procs_after, "rss_after_mb": rss_after / 2**20, "zombies_after": zombies})
     finally:
         down(cluster)
-    print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "p99_ms_outside_stalls", "harness_stalled_s",
-                       "steps",
-                       "step_s", "step_vs_quiet",
-                       "generate_vs_quiet", "train_vs_quiet",
+    print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "p99_ms_outside_stalls",
+                       "harness_stalled_s", "steps", "step_s", "step_vs_quiet", "generate_vs_quiet", "train_vs_quiet",
                        "abuser"]))
     parts = sorted({part for row in rows for part in row["cores"]})
     calls = sorted({call for row in rows for call in row["p99_ms_by_call"]})
