@@ -165,7 +165,7 @@ class Callers:
         await asyncio.gather(*(self.caller(i, stop) for i in range(self.n)), self.watch_loop(stop))
 
     async def watch_loop(self, stop: float, tick: float = 0.01) -> None:
-        """How late this process's event loop wakes: every latency above includes it, so a phase's p99 is the
+        """How late this process's event loop wakes: every call's latency includes it, so a phase's p99 is the
         service's only where the loop's lag is small against it."""
         while time.monotonic() < stop:
             t0 = time.perf_counter()
