@@ -61,6 +61,8 @@ class CoordinatorArgs(BaseModel):
     resume_on_restart: bool = True
     # Time for a run's preflight (it may generate a preset model first).
     preflight_timeout_s: float = Field(300.0, gt=0)
+    # A cancelled run is CANCELLED within this long, even if its task is still winding down.
+    cancel_grace_s: float = Field(60.0, gt=0, le=3600)
     # Largest JSONL data file a spec may name.
     max_data_file_mb: int = Field(512, ge=1)
     # Runs waiting to start; a SubmitRun beyond it gets RESOURCE_EXHAUSTED.
@@ -97,7 +99,7 @@ class Coordinator:
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
                                   self.args.preflight_timeout_s, self.args.resume_on_restart,
                                   self.args.max_queued_runs, quotas, self.args.max_concurrent_runs,
-                                  SpecReader(self.args.spec_reading_share))
+                                  SpecReader(self.args.spec_reading_share), self.args.cancel_grace_s)
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
                   ) -> RunServices:

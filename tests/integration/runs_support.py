@@ -7,9 +7,12 @@ import copy
 import json
 import os
 import signal
+import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psutil
 import yaml
 
@@ -46,15 +49,36 @@ def spec(**overrides) -> str:
 
 def events_until_end(client: CoordinatorClient, run_id: str, timeout_s: float = 300,
                      from_sequence: int = 0) -> list[pb.RunEvent]:
-    return list(client.watch(run_id, from_sequence, timeout_s=timeout_s))
+    return list(_watched(client, run_id, from_sequence, timeout_s))
 
 
 def wait_for(client: CoordinatorClient, run_id: str, kind: int, timeout_s: float = 120,
              where=lambda ev: True) -> pb.RunEvent:
-    for ev in client.watch(run_id, timeout_s=timeout_s):
+    for ev in _watched(client, run_id, 0, timeout_s):
         if ev.kind == kind and where(ev):
             return ev
     raise AssertionError(f"run {run_id} ended without a {pb.EventKind.Name(kind)} event")
+
+
+def _watched(client: CoordinatorClient, run_id: str, from_sequence: int, timeout_s: float
+             ) -> Iterator[pb.RunEvent]:
+    """The run's events; a stream out of time fails with what tells a stalled run from a stalled stream:
+    the last event the stream gave, the run as GetRun answers, and the newest events in its events.jsonl."""
+    last = None
+    try:
+        for ev in client.watch(run_id, from_sequence, timeout_s=timeout_s):
+            last = ev
+            yield ev
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        run = client.get(run_id)
+        on_disk = (Path(run.run_dir) / "events.jsonl").read_text().splitlines()[-5:]
+        raise AssertionError(
+            f"run {run_id}: no end within {timeout_s:g}s; the stream's last event: "
+            f"{(last.sequence, last.message[:120]) if last else None}; GetRun: {pb.RunState.Name(run.state)} at step "
+            f"{run.step}, updated {time.time() - run.updated_unix:.0f}s ago; events.jsonl ends with:\n"
+            + "\n".join(on_disk)) from err
 
 
 def metric_events(events: list[pb.RunEvent]) -> list[dict[str, float]]:

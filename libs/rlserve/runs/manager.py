@@ -32,7 +32,10 @@ queued runs and the size of a run.
 
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
 A run that ends has a balanced ledger: what was in flight when it failed or
-was cancelled is dropped with reason `failed` or `cancelled`.
+was cancelled is dropped with reason `failed` or `cancelled`. A cancelled
+run is CANCELLED within `cancel_grace_s`: a task still winding down by then
+(releasing a learner that does not answer) is left to finish by itself, and
+the queue moves on.
 """
 
 from __future__ import annotations
@@ -123,8 +126,9 @@ def _not_found(run_id: str) -> RpcError:
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
                  resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None,
-                 max_concurrent_runs: int = 1, specs: SpecReader | None = None):
+                 max_concurrent_runs: int = 1, specs: SpecReader | None = None, cancel_grace_s: float = 60.0):
         self.runs_dir = runs_dir
+        self.cancel_grace_s = cancel_grace_s
         self.body = body
         self.admission = admission
         self.preflight_timeout_s = preflight_timeout_s
@@ -356,7 +360,20 @@ class RunManager:
             slot.cancel_requested = True
             run.set_state(pb.RUN_STATE_CANCELLING, f"by CancelRun at step {run.step}")
             slot.task.cancel()
+            asyncio.get_running_loop().call_later(self.cancel_grace_s, self._cancel_overdue, slot, slot.task)
         return run
+
+    def _cancel_overdue(self, slot: _Slot, task: asyncio.Task) -> None:
+        """The cancelled task has not stopped within `cancel_grace_s`: the run ends CANCELLED now, and the
+        task is left to finish by itself (what it still holds, it releases; a later run's Configure releases
+        a learner session it left)."""
+        if task.done() or slot.task is not task or slot.run.state != pb.RUN_STATE_CANCELLING:
+            return
+        event(log, "run.cancel_overdue", logging.WARNING, run=slot.run.run_id, step=slot.run.step,
+              grace_s=self.cancel_grace_s)
+        self._end(slot, pb.RUN_STATE_CANCELLED, f"by CancelRun at step {slot.run.step} (its task did not stop "
+                                                f"within {self.cancel_grace_s:g}s and finishes by itself)",
+                  "cancelled")
 
     async def shutdown(self) -> None:
         """The coordinator is going away: stop every run's task, leaving the runs as they are on disk."""
@@ -391,27 +408,34 @@ class RunManager:
     def _cancelled_before_start(self, slot: _Slot, task: asyncio.Task) -> None:
         """A task cancelled before its first step never enters `_execute` (the cancellation is thrown
         into the coroutine before its `try`): end the run here, or it would stay CANCELLING for good."""
-        if task.cancelled() and slot.cancel_requested and slot.run.state not in TERMINAL:
-            slot.run.end(pb.RUN_STATE_CANCELLED, f"by CancelRun at step {slot.run.step}", reason="cancelled")
-            slot.run.recorder.close()
-            self._schedule()
+        if task.cancelled() and slot.cancel_requested:
+            self._end(slot, pb.RUN_STATE_CANCELLED, f"by CancelRun at step {slot.run.step}", "cancelled")
 
     async def _execute(self, slot: _Slot) -> None:
         run = slot.run
         try:
             await self.body(run)
-            run.end(pb.RUN_STATE_SUCCEEDED)
         except asyncio.CancelledError:
             if not slot.cancel_requested:
                 # The coordinator itself is going away: the run stays RUNNING on disk and the next
                 # coordinator resumes it.
                 raise
-            run.end(pb.RUN_STATE_CANCELLED, f"by CancelRun at step {run.step}", reason="cancelled")
+            self._end(slot, pb.RUN_STATE_CANCELLED, f"by CancelRun at step {run.step}", "cancelled")
         except Exception as err:  # noqa: BLE001 - a run's failure is its state, never the coordinator's
             log.exception("run %s failed", run.run_id)
-            message = clean(str(err)) or type(err).__name__  # no colour codes or tracebacks
-            run.emit(pb.EVENT_KIND_ERROR, message)
-            run.end(pb.RUN_STATE_FAILED, message, reason="failed")
+            self._end(slot, pb.RUN_STATE_FAILED, clean(str(err)) or type(err).__name__, "failed")  # no tracebacks
+        else:
+            self._end(slot, pb.RUN_STATE_SUCCEEDED)
+
+    def _end(self, slot: _Slot, state: int, detail: str = "", reason: str = "") -> None:
+        """The run's final state, then the queue moves on; nothing if it has ended already (a task that
+        finished after `_cancel_overdue` ended its run)."""
+        run = slot.run
+        if run.state in TERMINAL:
+            return
+        if state == pb.RUN_STATE_FAILED:
+            run.emit(pb.EVENT_KIND_ERROR, detail)
+        run.end(state, detail, reason=reason)
         run.recorder.close()
         self._forget_old_events()
         self._schedule()

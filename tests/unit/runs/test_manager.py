@@ -138,6 +138,39 @@ def test_a_run_cancelled_before_its_task_starts_ends_cancelled(tmp_path):
     asyncio.run(main())
 
 
+def test_a_cancelled_run_whose_task_does_not_stop_is_cancelled_within_the_grace_and_the_queue_moves_on(tmp_path):
+    """A run's task still winding down after CancelRun (a learner that does not answer ReleaseSession)
+    once left the run CANCELLING, and the queue behind it, for as long as that took."""
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def body(run):
+        if run.run_id == "stuck":
+            run.ledger.generate(8)
+            started.set()
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                await asyncio.shield(release.wait())  # as run_grpo's release of the learner
+
+    async def main():
+        m = RunManager(tmp_path, body, RefuseByName(None), preflight_timeout_s=5, cancel_grace_s=0.2)
+        stuck = await m.submit(SPEC, "stuck", False, SYSTEM)
+        await m.submit(SPEC, "next", False, SYSTEM)
+        await started.wait()
+        m.cancel("stuck", SYSTEM)
+        assert stuck.state == pb.RUN_STATE_CANCELLING
+        run = await until_done(m, "stuck")
+        assert run.state == pb.RUN_STATE_CANCELLED and "did not stop within 0.2s" in run.error
+        assert stuck.ledger.in_flight == 0 and stuck.ledger.dropped["cancelled"] == 8
+        assert (await until_done(m, "next")).state == pb.RUN_STATE_SUCCEEDED
+        events = len(stuck.events)
+        release.set()
+        await asyncio.sleep(0.05)
+        assert stuck.state == pb.RUN_STATE_CANCELLED and len(stuck.events) == events, "ended once"
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_submits_cancels_and_resumes_all_end_with_balanced_ledgers(tmp_path, seed):
     """Runs whose bodies take random times, with cancels and resumes fired at random moments: every run
