@@ -103,7 +103,8 @@ class FairShare:
             if waiter.future.done() and not waiter.future.cancelled():  # let in as it was cancelled
                 self.release(Grant(run_id, waiter.units, waiter.estimate), 0.0)
             else:
-                run.waiting.remove(waiter)
+                if waiter in run.waiting:  # `_dispatch` may have dropped it already
+                    run.waiting.remove(waiter)
                 self._forget_idle()
                 self._dispatch()
             raise
@@ -121,6 +122,11 @@ class FairShare:
 
     def _dispatch(self) -> None:
         while True:
+            for r in self._runs.values():
+                # A cancelled task's wait is cancelled at once and its handler in `acquire` runs a moment
+                # later: such a request must not be let in meanwhile.
+                while r.waiting and r.waiting[0].future.done():
+                    r.waiting.popleft()
             waiting = [(r.vtime, r.waiting[0].seq, run_id) for run_id, r in self._runs.items() if r.waiting]
             if not waiting:
                 return

@@ -146,6 +146,25 @@ def test_a_cancelled_wait_leaves_no_trace():
     asyncio.run(main())
 
 
+def test_a_wait_cancelled_just_before_its_turn_comes_leaves_the_unit_to_the_next():
+    """A run cancelled while its request waits: the task's cancellation cancels the wait at once but is
+    handled a moment later. A release in that moment once let the cancelled request in (InvalidStateError
+    in the releasing request, the unit taken for good), and the next run's request waited forever."""
+    async def main():
+        share = FairShare(1, linger_s=60.0)
+        held = await share.acquire("a", 1.0)
+        cancelled = asyncio.create_task(share.acquire("b", 1.0))
+        queued = asyncio.create_task(share.acquire("c", 1.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        share.release(held, 1.0)  # before the cancelled task has run again
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        share.release(await asyncio.wait_for(queued, 1), 1.0)
+        share.release(await asyncio.wait_for(share.acquire("a", 1.0), 1), 1.0)
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("weight", [0.0, -1.0, 101.0])
 def test_weights_out_of_range_are_refused(weight):
     with pytest.raises(ValueError, match="weight"):
