@@ -27,7 +27,7 @@ before and after.
 Prints a table and writes bench-results/soak.json.
 
     .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps N]
-                                           [--control-cores 0-3] [--abuse-apart]
+                                           [--control-cores 0-3 [--harness-cores 12-15]] [--abuse-apart]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def parse_cores(text: str) -> list[int]:
     return cores
 
 
-def soak_cluster(root: Path, read_cache_ms: int, control_cores: list[int] | None):
+def soak_cluster(root: Path, read_cache_ms: int, control_cores: list[int] | None, harness_cores: list[int]):
     import yaml
 
     from rlserve.cluster.config import load_cluster_file
@@ -86,7 +86,7 @@ def soak_cluster(root: Path, read_cache_ms: int, control_cores: list[int] | None
     data.update({"name": "soak", "ray_port": PORT_BASE, "grpc_port": PORT_BASE + 10, "runs_dir": str(root / "runs"),
                  "read_cache_ms": read_cache_ms})
     if control_cores:  # the layout an operator would write: the cluster file's keys, read as each replica starts
-        training = sorted(set(range(os.cpu_count() or 1)) - set(control_cores))
+        training = sorted(set(range(os.cpu_count() or 1)) - set(control_cores) - set(harness_cores))
         data["gateway_cpu_cores"] = control_cores
         for name in CONTROL_SERVICES + TRAINING_SERVICES:
             data["services"][name]["cpu_cores"] = control_cores if name in CONTROL_SERVICES else training
@@ -232,11 +232,14 @@ def abuse_in_own_process(endpoint: str, token: str, run_id: str, seconds: float,
     return asyncio.run(abuse(endpoint, token, run_id, seconds, kinds))
 
 
-STEP_PARTS = {"step_s": "timing/step_s", "generate_s": "timing/generate_s", "train_s": "timing/train_s"}
+# A step's seconds in all, in generation and in training as the coordinator waits for them, and the learner's
+# own compute within training: training slowed while its compute did not is the calls' way there and back.
+STEP_PARTS = {"step_s": "timing/step_s", "generate_s": "timing/generate_s", "train_s": "timing/train_s",
+              "learner_s": "perf/learner_step_seconds"}
 
 
 def step_times(runs_dir: Path, run_id: str, since: float, until: float) -> list[dict[str, float]]:
-    """The run's steps between two times: each one's seconds in all and in generation and training."""
+    """The run's steps between two times: each one's seconds of each of `STEP_PARTS`."""
     import json
 
     rows = [json.loads(line) for line in (runs_dir / run_id / "events.jsonl").read_text().splitlines()]
@@ -326,17 +329,20 @@ def cores_by_part(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
     return {part: round(cpu / seconds, 2) for part, cpu in sorted(used.items())}
 
 
-def pin_the_rest(control_cores: list[int]) -> int:
-    """Ray's own processes and this harness onto the control plane's cores (`soak_cluster` placed the gateway
-    and the services through the cluster file; these have no such key). Returns how many processes it pinned."""
+def pin_the_rest(control_cores: list[int], harness_cores: list[int]) -> int:
+    """Ray's own processes onto the control plane's cores, and this harness too unless `harness_cores` gives it
+    cores of its own (`soak_cluster` placed the gateway and the services through the cluster file; these have no
+    such key). The abuser's process, started later, inherits the harness's cores. Returns how many it pinned."""
     from rlserve.cpu_affinity import pin_process
 
     pinned = 0
     for p, part in processes_by_part():
         if part not in ("ray", "harness"):
             continue
+        cores, flag = (harness_cores, "--harness-cores") if part == "harness" and harness_cores else \
+            (control_cores, "--control-cores")
         try:
-            pin_process(control_cores, "--control-cores", p.pid)
+            pin_process(cores, flag, p.pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # gone meanwhile, or not ours
         pinned += 1
@@ -376,6 +382,10 @@ def main() -> None:
                         help="e.g. 0 or 0-3: the gateway, coordinator and reward on these cores and rollout, reference "
                              "and learner on the others (the cluster file's cpu_cores keys), and Ray's own processes "
                              "and this harness pinned to them too (`pin_the_rest`), for every phase")
+    parser.add_argument("--harness-cores", type=parse_cores, default=[],
+                        help="with --control-cores: this harness (the callers and the abuser, who in a deployment "
+                             "call from other machines) on these cores, apart from both the control plane and "
+                             "training")
     parser.add_argument("--abuse-apart", action="store_true",
                         help="after the abuse phase, one phase for each kind of abuse alone (which one costs what)")
     parser.add_argument("--read-cache-ms", type=int, default=0,
@@ -390,7 +400,9 @@ def main() -> None:
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-soak-"))
-    cluster = soak_cluster(root, args.read_cache_ms, args.control_cores)
+    if args.harness_cores and not args.control_cores:
+        parser.error("--harness-cores needs --control-cores")
+    cluster = soak_cluster(root, args.read_cache_ms, args.control_cores, args.harness_cores)
     up(cluster)
     try:
         user_file = cluster.token_files[0]
@@ -414,7 +426,7 @@ def main() -> None:
                 time.sleep(2)
         rows = []
         if args.control_cores:
-            print("pinned", pin_the_rest(args.control_cores), "processes to", args.control_cores, flush=True)
+            print("pinned", pin_the_rest(args.control_cores, args.harness_cores), "processes", flush=True)
         procs_before, rss_before, _ = cluster_processes()
         abuser_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         quiet_steps: list[dict[str, float]] = []
@@ -467,7 +479,7 @@ def main() -> None:
             row.update({f"{part.removesuffix('_s')}_vs_quiet": row[part] / quiet[part] for part in STEP_PARTS})
         meta = {"callers": args.callers, "phase_s": args.phase_s, "read_cache_ms": args.read_cache_ms,
                 "abuse_apart": args.abuse_apart,
-                "control_cores": args.control_cores, "cpus": os.cpu_count()}
+                "control_cores": args.control_cores, "harness_cores": args.harness_cores, "cpus": os.cpu_count()}
         if args.chaos_s:
             killed = chaos(args.chaos_s, random.Random(args.seed))
             with CoordinatorClient(cluster.grpc_endpoint, token_file=admin_file) as client:
@@ -493,7 +505,7 @@ def main() -> None:
         down(cluster)
     print(table(rows, ["phase", "calls", "errors", "p50_ms", "p99_ms", "max_ms", "p99_ms_outside_stalls",
                        "harness_stalled_s", "steps", "step_s", "step_vs_quiet", "generate_vs_quiet", "train_vs_quiet",
-                       "abuser"]))
+                       "learner_vs_quiet", "abuser"]))
     parts = sorted({part for row in rows for part in row["cores"]})
     calls = sorted({call for row in rows for call in row["p99_ms_by_call"]})
     print(table([{"phase": row["phase"], **{f"{p} cores": row["cores"].get(p, 0.0) for p in parts},
