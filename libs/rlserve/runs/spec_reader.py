@@ -25,6 +25,7 @@ coordinator's interpreter and import path, and speaks length-prefixed pickles on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -54,6 +55,7 @@ class SpecReader:
         # caller -> its specs waiting: (text, answer, when it came)
         self._waiting: OrderedDict[str, deque[tuple[str, asyncio.Future, float]]] = OrderedDict()
         self._serving: asyncio.Task | None = None
+        self._arrived = asyncio.Event()  # a spec came while every waiting caller's share was spent
         self._left: dict[str, tuple[float, float]] = {}  # caller -> (seconds of reading left, when)
 
     def _seconds_left(self, caller: str, spent: float = 0.0) -> float:
@@ -68,6 +70,7 @@ class SpecReader:
         ReadingShareSpent when it waited `max_wait_s` for the caller's share of the reader."""
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(caller, deque()).append((text, answer, time.monotonic()))
+        self._arrived.set()
         if self._serving is None or self._serving.done():
             self._serving = asyncio.create_task(self._serve())
         return await answer
@@ -80,7 +83,10 @@ class SpecReader:
             caller = next((c for c in self._waiting if self._seconds_left(c) > 0), None)
             if caller is None:
                 self._refuse_overdue()
-                await asyncio.sleep(0.05)
+                self._arrived.clear()
+                if self._waiting:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._arrived.wait(), self._until_next_turn())
                 continue
             specs = self._waiting.pop(caller)
             text, answer, _ = specs.popleft()
@@ -98,6 +104,14 @@ class SpecReader:
             self._seconds_left(caller, spent=time.monotonic() - began)
             if not answer.done():
                 (answer.set_exception if isinstance(result, SpecError) else answer.set_result)(result)
+
+    def _until_next_turn(self) -> float:
+        """Seconds until a waiting caller's share is back or its oldest spec is due to be refused (every
+        waiting caller's share was just brought up to date): the serving loop sleeps that long, unless a
+        spec comes, so another caller's spec is read at once and an idle loop costs nothing."""
+        now = time.monotonic()
+        return max(0.001, min(min(-self._left[caller][0] / self.share, specs[0][2] + self.max_wait_s - now)
+                              for caller, specs in self._waiting.items()))
 
     def _refuse_overdue(self) -> None:
         now = time.monotonic()

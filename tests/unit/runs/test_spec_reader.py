@@ -106,3 +106,21 @@ def test_a_caller_over_its_share_of_the_reader_waits_and_others_do_not():
         assert answered[0] == "alice read" and answered[1].startswith("mallory refused: your spec waited 1 s"), answered
         assert "spec_reading_share" in answered[1]
     asyncio.run(main())
+
+
+def test_a_spec_that_comes_while_the_reader_waits_out_a_share_is_read_at_once():
+    """The serving loop sleeps until the spent share is back (here ~30 s away), but not past a new spec."""
+    async def main() -> None:
+        reader = SpecReader(share=0.001, burst_s=0.001, max_wait_s=60.0)
+        try:
+            await reader.read(EXAMPLE, "warm")
+            with pytest.raises(SpecError):
+                await reader.read(SLOW, "mallory")  # ~30 ms read: 30 s of share owed
+            waiting = asyncio.create_task(reader.read(SLOW, "mallory"))
+            await asyncio.sleep(0.2)  # the loop is asleep now
+            assert await asyncio.wait_for(reader.read(EXAMPLE, "alice"), 5.0) == load_spec(EXAMPLE)
+            assert not waiting.done()
+        finally:
+            await reader.close()
+        assert waiting.cancelled()
+    asyncio.run(main())
