@@ -16,11 +16,10 @@ Its steps are timed in four phases of `--phase-s` seconds each, side by side in 
             rather than as an effect of the callers.
 Reported per phase: p50, p99 and max latency of the well-behaved calls (and the p99 of each kind of call), their
 errors by code, how long the callers' own event loop stalled (over 50 ms) and the p99 of the calls made during
-none of its stalls, the abuser's refusals, the run's median step time (and its generation and training parts)
-against the quiet phases', and the cores each
-part kept busy (gateway, coordinator, reward, training, Ray's own processes, and this harness, which shares
-the machine). With `--chaos-s`, a chaos soak
-follows: every 60-120 s one of rollout, reward, reference, the learner worker, the coordinator
+none of its stalls, the abuser's refusals, the run's median step time (and its generation and training parts,
+and the learner's own compute within training) against the quiet phases', and the cores each part kept busy
+(gateway, coordinator, reward, training, Ray's own processes, and this harness, which shares the machine, or
+has cores of its own with `--harness-cores`). With `--chaos-s`, a chaos soak follows: every 60-120 s one of rollout, reward, reference, the learner worker, the coordinator
 or the gateway is killed at random; then the run goes on to its last step, and it must end with a
 balanced ledger, no run may be left unfinished, and the cluster's resident memory is reported
 before and after.
@@ -391,6 +390,8 @@ def main() -> None:
     parser.add_argument("--read-cache-ms", type=int, default=0,
                         help="the cluster file's read_cache_ms (how long the gateway keeps a read's answer)")
     args = parser.parse_args()
+    if args.harness_cores and not args.control_cores:
+        parser.error("--harness-cores needs --control-cores")
     if args.steps is None:
         args.steps = int(2 * (4 + 3 * args.abuse_apart) * args.phase_s + args.chaos_s) + 100
     random.seed(args.seed)
@@ -400,8 +401,6 @@ def main() -> None:
     from rlserve.v1 import coordinator_pb2 as pb
 
     root = Path(tempfile.mkdtemp(prefix="rlserve-soak-"))
-    if args.harness_cores and not args.control_cores:
-        parser.error("--harness-cores needs --control-cores")
     cluster = soak_cluster(root, args.read_cache_ms, args.control_cores, args.harness_cores)
     up(cluster)
     try:
