@@ -19,10 +19,10 @@ errors by code, how long the callers' own event loop stalled (over 50 ms) and th
 none of its stalls, the abuser's refusals, the run's median step time (and its generation and training parts,
 and the learner's own compute within training) against the quiet phases', and the cores each part kept busy
 (gateway, coordinator, reward, training, Ray's own processes, and this harness, which shares the machine, or
-has cores of its own with `--harness-cores`). With `--chaos-s`, a chaos soak follows: every 60-120 s one of rollout, reward, reference, the learner worker, the coordinator
-or the gateway is killed at random; then the run goes on to its last step, and it must end with a
-balanced ledger, no run may be left unfinished, and the cluster's resident memory is reported
-before and after.
+has cores of its own with `--harness-cores`). With `--chaos-s`, a chaos soak follows: every 60-120 s one of
+rollout, reward, reference, the learner worker, the coordinator or the gateway is killed at random; then the run
+goes on to its last step, and it must end with a balanced ledger, no run may be left unfinished, and the
+cluster's resident memory is reported before and after.
 Prints a table and writes bench-results/soak.json.
 
     .venv/bin/python scripts/bench/soak.py [--callers 500] [--phase-s 120] [--chaos-s 1800] [--steps N]
