@@ -7,7 +7,7 @@ full-parameter run has a group of its own, and its Configure ends every other
 session (it trains alone); LoRA runs on the deployed base (`shared_base`) of
 one worker layout share one group, whose workers hold the
 frozen base once for all of them. A group's calls take turns: each run gets its
-priority's share of the group's seconds (`rlserve.runs.fair_share`), so a run
+priority's share of the group's seconds (`rlserve.tenancy.fair_share`), so a run
 with 10x longer sequences does not take 10x the learner.
 
 A worker that dies in a run's own group takes its session (the run restores
@@ -47,7 +47,7 @@ from rlserve.learner.publisher import Published
 from rlserve.logs import event, setup_logging
 from rlserve.models import resolve_model
 from rlserve.rpc import RpcError, aborted, grpc_method, invalid_argument
-from rlserve.runs.fair_share import FairShare
+from rlserve.tenancy.fair_share import FairShare
 from rlserve.security.paths import PathsArgs
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import learner_pb2

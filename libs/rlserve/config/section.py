@@ -22,7 +22,7 @@ MAX_LORA_RANK = 1024
 MAX_NAME_CHARS = 64
 MAX_PATH_CHARS = 4096
 MAX_SYSTEM_PROMPT_CHARS = 65_536
-# A run's weight in the fair share of a cluster shared with other runs (`rlserve.runs.fair_share`).
+# A run's weight in the fair share of a cluster shared with other runs (`rlserve.tenancy.fair_share`).
 MAX_PRIORITY = 100.0
 # Run names become folder names: letters, digits, '-', '_', '.', not starting with '.'.
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"

@@ -556,7 +556,7 @@ class RunSpec(Section):
     algorithm: Literal[ALGORITHMS] = "grpo"
     # The run's weight when it shares the cluster with other runs: of the rollout engines' tokens and
     # the learner's seconds, each run gets its priority over the sum of the priorities of the runs
-    # wanting them (`rlserve.runs.fair_share`). Above 1 only as far as the user's quota
+    # wanting them (`rlserve.tenancy.fair_share`). Above 1 only as far as the user's quota
     # `max_priority` allows.
     priority: float = Field(1.0, gt=0, le=MAX_PRIORITY)
     policy: PolicyCfg = PolicyCfg()

@@ -1,7 +1,7 @@
 """An engine's generation shared between runs in proportion to their priorities, counted in tokens.
 
 In front of the engine's own scheduler (vLLM's is first come, first served),
-each request waits for its run's turn (`rlserve.runs.fair_share`, capacity:
+each request waits for its run's turn (`rlserve.tenancy.fair_share`, capacity:
 the sequences the engine runs at once). It is charged its prompt tokens and
 the tokens it generates, so a run whose completions are 10x longer gets the
 same tokens as the others, not 10x the engine. A run alone is never held.
@@ -10,7 +10,7 @@ same tokens as the others, not 10x the engine. A run alone is never held.
 from __future__ import annotations
 
 from rlserve.rollout.interfaces import GeneratedSample, RolloutEngine, RunAdapter, SamplingSpec
-from rlserve.runs.fair_share import FairShare
+from rlserve.tenancy.fair_share import FairShare
 
 
 class FairGeneration:

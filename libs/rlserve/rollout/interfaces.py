@@ -162,7 +162,7 @@ class RolloutEngine(ABC):
     transfer_backend: str | None = None
     num_transfer_workers: int = 1
     # Sequences the engine generates at once (vLLM's max_num_seqs; 1 for an engine that takes one
-    # request at a time): the capacity runs share fairly (`rlserve.runs.fair_share`).
+    # request at a time): the capacity runs share fairly (`rlserve.tenancy.fair_share`).
     max_running_sequences: int = 1
 
     @abstractmethod

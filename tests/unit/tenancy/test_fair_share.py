@@ -1,4 +1,4 @@
-"""Weighted fair share by use (`rlserve.runs.fair_share`), on a model of a continuously batching engine.
+"""Weighted fair share by use (`rlserve.tenancy.fair_share`), on a model of a continuously batching engine.
 
 The model: `capacity` slots; every tick, each running sequence makes one token and a sequence that
 has made its length frees its slot. Each run keeps more requests open than the engine holds
@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-from rlserve.runs.fair_share import FairShare
+from rlserve.tenancy.fair_share import FairShare
 
 
 class Fifo:
