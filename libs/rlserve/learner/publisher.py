@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -39,10 +39,12 @@ import ray
 import torch
 
 from rlserve.learner.interfaces import LearnerBackend
+from rlserve.learner.publishing import Published, Publishing
 from rlserve.logs import event
 from rlserve.weights import handoff as same_device
 from rlserve.weights.buckets import BucketWriter, to_host
-from rlserve.weights.fleet import Member
+from rlserve.weights.fleet import Member, get_fleet
+from rlserve.weights.store import get_store
 
 log = logging.getLogger("rlserve.learner")
 
@@ -195,26 +197,6 @@ class _ParamMeta:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Published:
-    """What one `Publisher.publish` did (rank 0's; the other ranks only join the export's gathers)."""
-
-    version: int
-    num_buckets: int
-    num_tensors: int
-    num_bytes: int  # one copy of what was exported (the model, or with LoRA the adapter) in the export dtype
-    model_bytes: int  # the whole model in the export dtype: what a full-parameter update sends
-    seconds: float
-    direct_seconds: float  # of `seconds`, the direct transfer to the engines (its share of the export walk too)
-    # Of `seconds`, the weight store's copy on the step's path: to host memory and into the object store, or
-    # after a same-device handoff to host memory only (the put follows in the background).
-    store_seconds: float
-    direct_bytes: int  # bytes sent to engines (all of them together; 0: store only)
-    receivers: int  # replicas the version was sent to directly
-    # Receivers (or "all") that dropped out of the direct transfer -> why; they catch up from the store.
-    failed: dict[str, str] = field(default_factory=dict)
-
-
 class Publisher:
     """Rank 0's weight sync for one learner session (keeps the transfer group between versions)."""
 
@@ -353,6 +335,16 @@ class Publisher:
         event(log, "learner.weight_transfer_group", engine=backend, receivers=len(members),
               world_size=world_size)
         return self._engine
+
+
+class StorePublishing(Publishing):
+    """Publishing into the cluster's weight store (`rlserve.weights.store`) and its fleet of replicas."""
+
+    def publisher(self, backend: LearnerBackend, store_name: str, bucket_bytes: int, timeout_s: float) -> Publisher:
+        return Publisher(backend, get_store(store_name), get_fleet(store_name), bucket_bytes, timeout_s)
+
+    def drop_adapter(self, store_name: str, run_id: str) -> None:
+        ray.get(get_store(store_name).drop_adapter.remote(run_id))
 
 
 def trainer_init_info(backend: str, world_size: int, bucket_bytes: int, timeout_s: float):
