@@ -1,9 +1,10 @@
 """Losses and advantage estimators by name: `loss_fn.name` and `grpo.adv_estimator.name`.
 
-The tables say where each one's class lives; it is imported when first used,
-so the spec validates names without loading torch. Adding a loss is its module
-under `losses/` (a `Loss`, see `rlserve.algorithms.interfaces`), its line in
-`LOSSES` and its test; an advantage estimator likewise under `advantages/`.
+The names and where each one's class lives are the catalog's (`rlserve.catalog.LOSSES`,
+`ADVANTAGE_ESTIMATORS`, open to plug-ins); a class is imported when first used, so
+the spec validates names without loading torch. Adding a loss is its module under
+`losses/` (a `Loss`, see `rlserve.algorithms.interfaces`), its line in the catalog
+and its test; an advantage estimator likewise under `advantages/`.
 (verl's `register_policy_loss` / `register_adv_est` registries, made lazy.)
 """
 
@@ -11,37 +12,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlserve.registry import Registry, import_object
+from rlserve.catalog import ADVANTAGE_ESTIMATORS, LOSSES
 
 if TYPE_CHECKING:
     from rlserve.algorithms.interfaces import AdvantageEstimator, Loss
     from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg
     from rlserve.config.spec import RunSpec
 
-LOSSES = Registry("loss", {
-    "grpo": "rlserve.algorithms.losses.grpo:GrpoLoss",
-    "cispo": "rlserve.algorithms.losses.cispo:CispoLoss",
-    "sft": "rlserve.algorithms.losses.sft:SftLoss",
-    "dpo": "rlserve.algorithms.losses.dpo:DpoLoss",
-})
-
-# Losses that train on data, not on rewards (the SFT warm start's, `algorithm: sft` and `dpo` runs'),
-# never a GRPO run's `loss_fn.name`.
-SUPERVISED_LOSSES = ("sft", "dpo")
 # The spec section a loss is configured by, where it is not `loss_fn`.
 LOSS_SECTIONS = {"dpo": "dpo"}
-
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator", {
-    "grpo": "rlserve.algorithms.advantages.grpo:GrpoAdvantageEstimator",
-    "reinforce_plus_plus": "rlserve.algorithms.advantages.reinforce_plus_plus:ReinforcePlusPlusAdvantageEstimator",
-    "on_policy_distillation":
-        "rlserve.algorithms.advantages.distillation:OnPolicyDistillationAdvantageEstimator",
-})
 
 
 def make_loss(name: str, cfg: LossFnCfg | DpoCfg) -> Loss:
     """The loss registered as `name`, configured by `cfg` (its section of the spec; ValueError if unknown)."""
-    return import_object(LOSSES[name])(cfg)
+    return LOSSES.load(name)(cfg)
 
 
 def loss_for_run(name: str, spec: RunSpec) -> Loss:
@@ -51,4 +35,4 @@ def loss_for_run(name: str, spec: RunSpec) -> Loss:
 
 def advantage_estimator(cfg: AdvEstimatorCfg, loss_cfg: LossFnCfg) -> AdvantageEstimator:
     """The estimator `cfg.name` names, configured by `cfg` and the run's `loss_fn` (ValueError if unknown)."""
-    return import_object(ADVANTAGE_ESTIMATORS[cfg.name])(cfg, loss_cfg)
+    return ADVANTAGE_ESTIMATORS.load(cfg.name)(cfg, loss_cfg)

@@ -1,16 +1,17 @@
 """The spec sections that choose and tune the algorithm: advantages, the loss, reward shaping, SFT, DPO.
 
-Names come from the registries (`rlserve.algorithms.registry`), which import no torch, so a
-spec validates without it. Keys are NeMo-RL's where it has them (else verl's).
+Names come from the catalog (`rlserve.catalog`: the built-ins and the cluster's enabled plug-ins),
+which imports no torch, so a spec validates without it. Keys are NeMo-RL's where it has them (else
+verl's).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
+from rlserve.catalog import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
 from rlserve.config.section import MAX_SEQUENCE_LENGTH, MAX_STEPS, MAX_TRAJECTORIES_PER_STEP, Section
 
 # The keys of grpo.adv_estimator each estimator reads (another estimator's, set off its default, is refused).
@@ -22,7 +23,8 @@ ESTIMATOR_KEYS = {"grpo": ("normalize_rewards", "use_leave_one_out_baseline"),
 class AdvEstimatorCfg(Section):
     """How rewards become advantages (`rlserve.algorithms.advantages`); NeMo-RL's AdvEstimatorConfig."""
 
-    name: Literal[ADVANTAGE_ESTIMATORS.names] = "grpo"
+    # grpo, reinforce_plus_plus, on_policy_distillation, or an enabled plug-in's (`rlserve.catalog`).
+    name: str = "grpo"
     # grpo: divide by the group's reward std.
     normalize_rewards: bool = True
     # grpo: RLOO's baseline, the mean of the group's other samples.
@@ -35,6 +37,11 @@ class AdvEstimatorCfg(Section):
     teacher_kl_coef: float = Field(1.0, gt=0, le=100)
     task_reward_weight: float = Field(0.0, ge=0, le=100)
 
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return ADVANTAGE_ESTIMATORS.check(v)
+
     @model_validator(mode="after")
     def _keys_of_this_estimator(self) -> AdvEstimatorCfg:
         for name, keys in ESTIMATOR_KEYS.items():
@@ -46,8 +53,9 @@ class AdvEstimatorCfg(Section):
 
 
 class LossFnCfg(Section):
-    # The loss of the GRPO steps (`rlserve.algorithms.registry`); the SFT warm start always uses "sft".
-    name: Literal[tuple(n for n in LOSSES.names if n not in SUPERVISED_LOSSES)] = "grpo"
+    # The loss of the GRPO steps: grpo, cispo, or an enabled plug-in's (`rlserve.catalog`); the SFT warm
+    # start always uses "sft".
+    name: str = "grpo"
     reference_policy_kl_penalty: float = Field(0.0, ge=0)
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     # The KL penalty goes into each token's reward (REINFORCE++; the reinforce_plus_plus estimator
@@ -72,6 +80,11 @@ class LossFnCfg(Section):
     # over its tokens), for both the PPO ratio and the generator correction.
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return LOSSES.check(v, [n for n in LOSSES.names if n not in SUPERVISED_LOSSES])
 
     @model_validator(mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rlserve.catalog import DEFAULT_BACKEND, ENVIRONMENTS, LEARNER_BACKENDS, ROLLOUT_ENGINES, TASKS
 from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg, RewardShapingCfg, SftCfg
 from rlserve.config.section import (
     MAX_EXAMPLES,
@@ -40,10 +41,7 @@ from rlserve.config.section import (
     NAME_PATTERN,
     Section,
 )
-from rlserve.data.tasks import TASKS
-from rlserve.environments.config import BUILTIN_NAMES as ENVIRONMENTS
 from rlserve.environments.config import SCORED, EnvironmentCfg
-from rlserve.learner.registry import BACKENDS, DEFAULT_BACKEND
 from rlserve.rewards.config import RewardFunctionCfg
 
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
@@ -164,8 +162,9 @@ class VllmCfg(Section):
 
 
 class GenerationCfg(Section):
-    # The rollout engine; like vllm_cfg, unset means "what is deployed", a different value is refused.
-    backend: Literal["vllm", "transformers"] | None = None
+    # The rollout engine (vllm, transformers, or an enabled plug-in's: `rlserve.catalog`); like vllm_cfg,
+    # unset means "what is deployed", a different value is refused.
+    backend: str | None = None
     # Engines may take less (vLLM: at most 2; a run asking more fails at its first generation).
     temperature: float = Field(1.0, ge=0, le=100.0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -174,6 +173,11 @@ class GenerationCfg(Section):
     stop_strings: list[StopString] = Field([], max_length=16)
     stop_token_ids: list[TokenId] = Field([], max_length=256)
     vllm_cfg: VllmCfg = VllmCfg()
+
+    @field_validator("backend")
+    @classmethod
+    def _known_engine(cls, v: str | None) -> str | None:
+        return v if v is None else ROLLOUT_ENGINES.check(v)
 
 
 class SequencePackingCfg(Section):
@@ -222,7 +226,7 @@ class PolicyCfg(Section):
         unless it says `enabled` itself, is turned off."""
         if isinstance(data, dict):
             default = data.get(f"{DEFAULT_BACKEND}_cfg")
-            others = [data.get(f"{name}_cfg") for name in BACKENDS.names if name != DEFAULT_BACKEND]
+            others = [data.get(f"{name}_cfg") for name in LEARNER_BACKENDS.names if name != DEFAULT_BACKEND]
             if any(isinstance(c, dict) and c.get("enabled") is True for c in others) and (
                     default is None or isinstance(default, dict) and "enabled" not in default):
                 data = {**data, f"{DEFAULT_BACKEND}_cfg": {**(default or {}), "enabled": False}}
@@ -230,19 +234,19 @@ class PolicyCfg(Section):
 
     @model_validator(mode="after")
     def _one_backend(self) -> PolicyCfg:
-        enabled = [name for name in BACKENDS.names if getattr(self, f"{name}_cfg").enabled]
+        enabled = [name for name in LEARNER_BACKENDS.names if getattr(self, f"{name}_cfg").enabled]
         if len(enabled) > 1:
             raise ValueError(f"policy.{enabled[1]}_cfg.enabled: policy.{enabled[0]}_cfg.enabled is true as well; "
                              f"enable exactly one learner backend")
         if not enabled:
             raise ValueError(f"policy.{DEFAULT_BACKEND}_cfg.enabled: no learner backend is enabled; set "
-                             f"{' or '.join(f'policy.{name}_cfg.enabled' for name in BACKENDS.names)}")
+                             f"{' or '.join(f'policy.{name}_cfg.enabled' for name in LEARNER_BACKENDS.names)}")
         return self
 
     @property
     def backend(self) -> str:
         """The learner backend's name: the one whose `<name>_cfg` section is enabled."""
-        return next(name for name in BACKENDS.names if getattr(self, f"{name}_cfg").enabled)
+        return next(name for name in LEARNER_BACKENDS.names if getattr(self, f"{name}_cfg").enabled)
 
     @property
     def lora_key(self) -> str:
@@ -257,7 +261,7 @@ class PolicyCfg(Section):
 
     @model_validator(mode="after")
     def _lora_in_the_enabled_backend(self) -> PolicyCfg:
-        for name in BACKENDS.names:
+        for name in LEARNER_BACKENDS.names:
             section = getattr(self, f"{name}_cfg")
             key = type(section).LORA_KEY
             if not section.enabled and getattr(section, key).enabled:
@@ -373,7 +377,9 @@ FILE_TASKS = ("jsonl", "parquet")
 
 
 class DataCfg(Section):
-    # A built-in synthetic task, or "jsonl"/"parquet" for train_path/val_path files.
+    # A synthetic task (addition, multiplication, countdown, reverse, sort, guess_number,
+    # tool_multiplication, or an enabled plug-in's: `rlserve.catalog`), or "jsonl"/"parquet" for
+    # train_path/val_path files.
     task: str = "addition"
     task_args: dict[str, Any] = {}
     # Data files, inside the cluster's data directories (the cluster file's `data_dirs`).
@@ -393,10 +399,11 @@ class DataCfg(Section):
     @field_validator("task")
     @classmethod
     def _task_known(cls, v: str) -> str:
-        if v not in FILE_TASKS and v not in TASKS:
-            close = difflib.get_close_matches(v, [*TASKS, *FILE_TASKS], n=1)
+        valid = [*TASKS.names, *FILE_TASKS]
+        if v not in valid:
+            close = difflib.get_close_matches(v, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join([*TASKS, *FILE_TASKS])})")
+            raise ValueError(f"unknown task {v!r}{hint} (valid: {', '.join(valid)})")
         return v
 
     @field_validator("task_args")
@@ -404,7 +411,7 @@ class DataCfg(Section):
     def _task_args(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         task = info.data.get("task")
         if task in TASKS:
-            TASKS[task].parse_args(v)
+            TASKS.load(task).parse_args(v)
         elif task in FILE_TASKS and v:
             raise ValueError(f"the {task} task takes no task_args")
         return v
@@ -452,9 +459,9 @@ class EnvCfg(Section):
     `reward.functions`, as before."""
 
     enabled: bool = False
-    # A built-in (single_turn: the reward functions as an environment done after one step, scoring
-    # with reward.functions unless args.functions names others; guess_number) or any label when
-    # import_path is given.
+    # A name of `rlserve.catalog.ENVIRONMENTS` (single_turn: the reward functions as an environment done
+    # after one step, scoring with reward.functions unless args.functions names others; guess_number;
+    # tool_use; an enabled plug-in's) or any label when import_path is given.
     name: str = Field("single_turn", min_length=1, max_length=MAX_NAME_CHARS)
     # "package.module:Class" or "/path/file.py:Class" of an `Environment` subclass; only plug-ins
     # the cluster file's reward.allowed_plugins lists.
@@ -480,10 +487,10 @@ class EnvCfg(Section):
     @model_validator(mode="after")
     def _known(self) -> EnvCfg:
         if self.import_path is None and self.name not in ENVIRONMENTS and self.endpoint is None:
-            close = difflib.get_close_matches(self.name, ENVIRONMENTS, n=1)
+            close = difflib.get_close_matches(self.name, ENVIRONMENTS.names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"env.name: unknown environment {self.name!r}{hint} (built-ins: "
-                             f"{', '.join(ENVIRONMENTS)}; or give env.import_path)")
+            raise ValueError(f"env.name: unknown environment {self.name!r}{hint} (valid: "
+                             f"{', '.join(ENVIRONMENTS.names)}; or give env.import_path)")
         try:
             EnvironmentCfg(name=self.name, import_path=self.import_path, args=self.args)
         except ValueError as err:

@@ -1,4 +1,5 @@
-"""Synthetic tasks with verifiable answers, generated from a seed.
+"""Synthetic tasks with verifiable answers, generated from a seed, chosen by `data.task` (the catalog's
+`TASKS` names them; a plug-in task is a `Task` subclass too).
 
 Each task turns a seeded RNG into (prompt, answer, metadata) examples. The
 prompts use only the character tokenizer's alphabet, and the answers are what
@@ -14,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rlserve.catalog import TASKS
 from rlserve.environments.tools.calls import FORMATS, ToolCall, call_text, observation
 
 
@@ -261,12 +263,8 @@ class ToolMultiplication(Task):
         return Example(f"{a}*{b}=", answer, {"a": a, "b": b}, demonstration=played)
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (Addition, Multiplication, Countdown, Reverse, Sort, GuessNumber,
-                                                   ToolMultiplication)}
-
-
 def get_task(name: str, raw_args: dict[str, Any]) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
-    cls = TASKS[name]
+    """The task registered as `name` (`rlserve.catalog.TASKS`: these and the cluster's enabled plug-ins) with
+    its `Args` from `raw_args`; ValueError listing the valid names if unknown."""
+    cls = TASKS.load(name)
     return cls(cls.parse_args(raw_args))

@@ -10,8 +10,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlserve.v1 import environment_pb2
 
-# The built-in environments (`loader.BUILTINS` holds their classes; a test keeps the two equal).
-BUILTIN_NAMES = ("single_turn", "guess_number", "tool_use")
 # Built-ins that score with reward functions (`args.functions`, else the run's or the service's), and
 # the other args each takes.
 SCORED = {"single_turn": frozenset(), "tool_use": frozenset({"tools", "max_output_chars", "python_wall_s", "tool_format",
@@ -31,7 +29,8 @@ class BadEnvironment(ValueError):
 class EnvironmentCfg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    # A built-in name (single_turn, guess_number, tool_use) or any label when import_path is given.
+    # A name of `rlserve.catalog.ENVIRONMENTS` (the built-ins single_turn, guess_number, tool_use, and
+    # the cluster's enabled plug-ins), or any label when import_path is given.
     name: str = Field("single_turn", min_length=1, max_length=MAX_NAME_CHARS)
     # "package.module:Class" or "/path/file.py:Class"; only plug-ins the operator allow-listed
     # (the cluster file's reward.allowed_plugins, shared by reward functions and environments).

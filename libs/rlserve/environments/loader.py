@@ -1,5 +1,5 @@
-"""Load an environment by built-in name or import path; `Environments` is the service's cache of them,
-behind the plug-in allow-list."""
+"""Load an environment by name (`rlserve.catalog.ENVIRONMENTS`: the built-ins and the cluster's enabled
+plug-ins) or by import path; `Environments` is the service's cache of them, behind the plug-in allow-list."""
 
 from __future__ import annotations
 
@@ -9,18 +9,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from rlserve.environments.builtins import GuessNumber, SingleTurn
+from rlserve.catalog import ENVIRONMENTS
 from rlserve.environments.config import SCORED, BadEnvironment, EnvironmentCfg
 from rlserve.environments.interfaces import Environment
-from rlserve.environments.tool_use import ToolUse
+from rlserve.registry import import_object
 from rlserve.rewards.config import RewardFunctionCfg
-from rlserve.rewards.loader import CombinedReward, import_object
+from rlserve.rewards.loader import CombinedReward
 from rlserve.rpc import invalid_argument
 from rlserve.security.plugins import PluginPolicy
 from rlserve.v1 import environment_pb2
-
-BUILTINS: dict[str, type[Environment]] = {"single_turn": SingleTurn, "guess_number": GuessNumber,
-                                          "tool_use": ToolUse}
 
 
 def single_turn_functions(cfg: EnvironmentCfg) -> list[RewardFunctionCfg]:
@@ -37,24 +34,21 @@ def single_turn_functions(cfg: EnvironmentCfg) -> list[RewardFunctionCfg]:
 def load_environment(cfg: EnvironmentCfg, default_reward: Callable[[], CombinedReward]) -> Environment:
     """Instantiate one environment; classes get `args` as keyword arguments.
 
-    `single_turn` scores with the reward functions of `args.functions`, or with
-    `default_reward()` (the service's deployed functions) when it names none.
+    The built-ins that score (`SCORED`: single_turn, tool_use) are built with the
+    reward functions of `args.functions` first, or with `default_reward()` (the
+    service's deployed functions) when it names none.
     """
     if cfg.import_path is None and cfg.name in SCORED:
         functions = single_turn_functions(cfg)
         reward = CombinedReward(functions) if functions else default_reward()
-        if cfg.name == "single_turn":
-            return SingleTurn(reward)
         try:
-            return ToolUse(reward, **{k: v for k, v in cfg.args.items() if k != "functions"})
+            return ENVIRONMENTS.load(cfg.name)(reward, **{k: v for k, v in cfg.args.items() if k != "functions"})
         except TypeError as err:
             raise ValueError(f"environment {cfg.name!r}: bad args {cfg.args}: {err}") from None
-    obj = import_object(cfg.import_path) if cfg.import_path else BUILTINS.get(cfg.name)
-    if obj is None:
-        raise ValueError(f"unknown environment {cfg.name!r}: not a built-in ({', '.join(BUILTINS)}) and no "
-                         f"import_path given")
+    path = cfg.import_path or ENVIRONMENTS[cfg.name]
+    obj = import_object(path)
     if not inspect.isclass(obj) or not issubclass(obj, Environment):
-        raise ValueError(f"environment {cfg.name!r}: {cfg.import_path} is not a subclass of "
+        raise ValueError(f"environment {cfg.name!r}: {path} is not a subclass of "
                          f"rlserve.environments.interfaces.Environment")
     try:
         return obj(**cfg.args)

@@ -1,4 +1,4 @@
-"""Policy training: the backend contract (`interfaces`), its registry, and the two backends.
+"""Policy training: the backend contract (`interfaces`), building one by name (`registry`), and the two backends.
 
 `dtensor/` and `megatron/` use the same file names for the same job:
 `backend.py` (the LearnerBackend), `parallel_dims.py` (the parallel layout),
@@ -9,6 +9,6 @@ owns). The HF <-> Megatron parameter map is `rlserve.learner.megatron.hf_map`.
 processes, so it imports Ray; the backends do not).
 """
 
-from rlserve.learner.registry import BACKENDS, make_backend
+from rlserve.learner.registry import make_backend
 
-__all__ = ["BACKENDS", "make_backend"]
+__all__ = ["make_backend"]

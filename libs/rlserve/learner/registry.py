@@ -1,17 +1,18 @@
-"""The one place learner backends are chosen by name: `policy.<name>_cfg.enabled` picks one.
+"""Learner backends by name: `policy.<name>_cfg.enabled` picks one.
 
-Each entry says where the backend's class and its model check live; both are
-imported on use, so the run spec, which takes its backend names and
-`<name>_cfg` sections from here, validates without importing torch.
+The catalog's entries (`rlserve.catalog.LEARNER_BACKENDS`) say where the
+backend's class and its model check live; both are imported on use, so the run
+spec, which takes its backend names from the catalog, validates without
+importing torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlserve.registry import Registry, import_object
+from rlserve.catalog import LEARNER_BACKENDS
+from rlserve.registry import import_object
 
 if TYPE_CHECKING:
     import torch
@@ -19,25 +20,6 @@ if TYPE_CHECKING:
     from rlserve.config.spec import RunSpec
     from rlserve.learner.interfaces import LearnerBackend
     from rlserve.learner.shared_base import BaseShare
-
-
-@dataclass(frozen=True)
-class BackendEntry:
-    # "module:Class" of the LearnerBackend, built as Class(spec, model_path, device, init_adapter[, shared]).
-    backend: str
-    # "module:function" (spec, hf_config) -> None that raises UnsupportedModel for a model the
-    # backend cannot train as the spec configures it; the backend obeys the same reasons.
-    check_model: str
-
-
-BACKENDS = Registry("learner backend", {
-    "dtensor": BackendEntry("rlserve.learner.dtensor.backend:DTensorBackend",
-                            "rlserve.learner.dtensor.support:check_model"),
-    "megatron": BackendEntry("rlserve.learner.megatron.backend:MegatronBackend",
-                             "rlserve.learner.megatron.support:check_model"),
-})
-# The backend of a spec that enables no other.
-DEFAULT_BACKEND = "dtensor"
 
 
 class UnsupportedModel(ValueError):
@@ -50,7 +32,7 @@ class UnsupportedModel(ValueError):
 
 def check_model(spec: RunSpec, hf_config: Any) -> None:
     """Refuse, before anything starts, a model the spec's learner backend cannot train (UnsupportedModel)."""
-    import_object(BACKENDS[spec.policy.backend].check_model)(spec, hf_config)
+    import_object(LEARNER_BACKENDS[spec.policy.backend].check_model)(spec, hf_config)
 
 
 def make_backend(spec: RunSpec, model_path: Path, device: torch.device,
@@ -60,7 +42,7 @@ def make_backend(spec: RunSpec, model_path: Path, device: torch.device,
     held once with other runs' (`rlserve.learner.shared_base`; the dtensor backend, else ignored)."""
     from transformers import AutoConfig
 
-    entry = BACKENDS[spec.policy.backend]
+    entry = LEARNER_BACKENDS[spec.policy.backend]
     check_model(spec, AutoConfig.from_pretrained(model_path))
     cls = import_object(entry.backend)
     if shared is not None and getattr(cls, "shares_base", False):

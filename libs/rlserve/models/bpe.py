@@ -5,7 +5,8 @@ BPE with merges learned from text (no unknown token: any byte sequence encodes),
 digits split one per token as Llama 2/Qwen/DeepSeek do, a BOS that the tokenizer
 adds to plain text, a ChatML-style Jinja chat template that writes the BOS itself,
 and two end-of-sequence tokens (end of turn and end of text) like Llama-3.x-Instruct.
-The training text comes from the built-in tasks and a seeded word generator, so
+The training text comes from built-in tasks (by their catalog names: models/ does
+not depend on data/) and a seeded word generator, so
 the vocabulary (and every model made with it) is the same on every machine.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from rlserve.data.tasks import TASKS
+from rlserve.catalog import TASKS
 from rlserve.models.tokenizer import SpecialIds
 
 PAD, BOS, EOT, IM_START, IM_END = "<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
@@ -45,7 +46,8 @@ _WORDS = ("the answer is sum of and what number plus times minus reverse sort le
 def training_text(seed: int = 0, n: int = 20000) -> list[str]:
     """Deterministic text: task prompts with answers, chat turns, and word sequences."""
     rng = random.Random(seed)
-    tasks = [TASKS[name](TASKS[name].parse_args({})) for name in _TRAINING_TASKS]
+    classes = [TASKS.load(name) for name in _TRAINING_TASKS]
+    tasks = [cls(cls.parse_args({})) for cls in classes]
     lines = []
     for i in range(n):
         ex = tasks[i % len(tasks)].example(rng)

@@ -1,5 +1,6 @@
-"""Built-in reward functions for the synthetic tasks, for math answers (`math_verify`, in math_answers.py) and
-model-backed ones: a reward model (`reward_model`, reward_model.py) and a generative judge (`llm_judge`, judge.py)."""
+"""Built-in reward functions for the synthetic tasks. The catalog (`rlserve.catalog.REWARD_FUNCTIONS`) names
+them with the others: for math answers (`math_verify`, in math_answers.py) and model-backed ones, a reward
+model (`reward_model`, reward_model.py) and a generative judge (`llm_judge`, judge.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ from fractions import Fraction
 import regex
 
 from rlserve.rewards.interfaces import RewardFunction, RewardInput, RewardOutput
-from rlserve.rewards.judge import LlmJudge
-from rlserve.rewards.math_answers import MathVerify
-from rlserve.rewards.reward_model import SequenceClassifierReward
 
 
 class ExactMatch(RewardFunction):
@@ -103,10 +101,3 @@ class Countdown(RewardFunction):
         except (SyntaxError, ValueError, ZeroDivisionError):
             return RewardOutput(0.0, {"valid": False, "reason": "syntax"})
         return RewardOutput(float(value == target), {"valid": True})
-
-
-BUILTINS: dict[str, type[RewardFunction]] = {
-    f.name: f for f in (ExactMatch, MathVerify, FormatReward, LengthPenalty, Countdown, SequenceClassifierReward,
-                        LlmJudge)}
-# Built-ins that load the model folder their `args.model` names: the folder must be allow-listed.
-MODEL_BACKED = frozenset({SequenceClassifierReward.name, LlmJudge.name})

@@ -11,9 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlserve.v1 import reward_pb2
 
 MAX_NAME_CHARS = 64
-# Built-ins that load the model folder their `args.model` names (reward_model.py, judge.py): the folder
-# must be on the cluster's allow-list (`reward.allowed_models`).
-MODEL_BACKED = frozenset({"reward_model", "llm_judge"})
 MAX_IMPORT_PATH_CHARS = 4096
 
 
@@ -28,8 +25,9 @@ class BadFunction(ValueError):
 class RewardFunctionCfg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    # A built-in name (exact_match, math_verify, format, length_penalty, countdown, and the
-    # model-backed reward_model and llm_judge) or any label when import_path is given.
+    # A name of `rlserve.catalog.REWARD_FUNCTIONS` (the built-ins exact_match, math_verify, format,
+    # length_penalty, countdown, the model-backed reward_model and llm_judge, and the cluster's enabled
+    # plug-ins), or any label when import_path is given.
     name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     # "package.module:attr" or "/path/file.py:attr" (attr defaults to `reward`). Only plug-ins the
     # operator allow-listed (the cluster file's reward.allowed_plugins).

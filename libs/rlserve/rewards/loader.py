@@ -1,20 +1,19 @@
-"""Load reward functions by built-in name or import path, and combine them with weights."""
+"""Load reward functions by name (`rlserve.catalog.REWARD_FUNCTIONS`: the built-ins and the cluster's
+enabled plug-ins) or by import path, and combine them with weights."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from rlserve.rewards.builtins import BUILTINS
+from rlserve.catalog import REWARD_FUNCTIONS
+from rlserve.registry import import_object
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.interfaces import BatchRewardFunction, RewardInput, RewardOutput
+from rlserve.security.plugins import DEFAULT_ATTRIBUTE
 
 
 class Scored(NamedTuple):
@@ -26,37 +25,9 @@ class Scored(NamedTuple):
     metrics: dict[str, float]
 
 
-def import_object(import_path: str) -> Any:
-    """`pkg.module:attr` or `/path/file.py:attr` (attr defaults to `reward`)."""
-    target, _, attr = import_path.partition(":")
-    attr = attr or "reward"
-    if target.endswith(".py"):
-        path = Path(target).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"{import_path}: no such file {path}")
-        mod_name = "rlserve_reward_" + hashlib.sha1(str(path).encode() + path.read_bytes()).hexdigest()[:12]
-        module = sys.modules.get(mod_name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            sys.modules[mod_name] = module
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise ValueError(f"{import_path}: cannot import {target!r}: {err}") from None
-    if not hasattr(module, attr):
-        raise ValueError(f"{import_path}: module {target!r} has no attribute {attr!r}")
-    return getattr(module, attr)
-
-
 def load_function(spec: RewardFunctionCfg) -> Callable[[RewardInput], RewardOutput]:
     """Instantiate one reward function; classes get `args` as keyword arguments."""
-    obj = import_object(spec.import_path) if spec.import_path else BUILTINS.get(spec.name)
-    if obj is None:
-        raise ValueError(f"unknown reward function {spec.name!r}: not a built-in ({', '.join(BUILTINS)}) "
-                         f"and no import_path given")
+    obj = import_object(spec.import_path, DEFAULT_ATTRIBUTE) if spec.import_path else REWARD_FUNCTIONS.load(spec.name)
     args = dict(spec.args)
     if inspect.isclass(obj):
         try:

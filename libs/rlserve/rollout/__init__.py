@@ -1,9 +1,9 @@
-"""Generation engines behind one contract (`interfaces`): vLLM and transformers.
+"""Generation engines behind one contract (`interfaces`): vLLM and transformers, built by name (`registry`).
 
 `follower.py` is a replica's side of weight sync (direct transfers from the learner,
 catch-up from the weight store).
 """
 
-from rlserve.rollout.registry import ENGINES, make_engine
+from rlserve.rollout.registry import make_engine
 
-__all__ = ["ENGINES", "make_engine"]
+__all__ = ["make_engine"]

@@ -1,29 +1,23 @@
-"""The one place rollout engines are chosen by name."""
+"""Rollout engines by name: the rollout service's `args.engine`.
+
+The names and where each engine lives are the catalog's (`rlserve.catalog.ROLLOUT_ENGINES`, open to
+plug-ins): an entry is a callable (EngineConfig) -> RolloutEngine, imported when the engine is built.
+"""
 
 from __future__ import annotations
 
+from rlserve.catalog import ROLLOUT_ENGINES
 from rlserve.rollout.interfaces import EngineConfig, RolloutEngine
 
 
-def _vllm(cfg: EngineConfig) -> RolloutEngine:
-    from rlserve.rollout.vllm_engine import VllmEngine
+def make_engine(name: str, cfg: EngineConfig) -> RolloutEngine:
+    """The engine registered as `name` on `cfg` (ValueError listing the valid names if unknown)."""
+    return ROLLOUT_ENGINES.load(name)(cfg)
 
-    return VllmEngine(cfg)
 
-
-def _transformers(cfg: EngineConfig) -> RolloutEngine:
+def transformers_engine(cfg: EngineConfig) -> RolloutEngine:
+    """`engine: transformers`: the transformers batch engine, served one call at a time."""
     from rlserve.rollout.hf_engine import TransformersEngine
     from rlserve.rollout.serialized import Serialized
 
     return Serialized(TransformersEngine(cfg))
-
-
-ENGINES = {"vllm": _vllm, "transformers": _transformers}
-
-
-def make_engine(name: str, cfg: EngineConfig) -> RolloutEngine:
-    try:
-        factory = ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown rollout engine {name!r}; valid engines: {', '.join(ENGINES)}") from None
-    return factory(cfg)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rlserve.algorithms.interfaces import AdvantageEstimator, AdvantageInputs, Loss
-from rlserve.algorithms.registry import ADVANTAGE_ESTIMATORS, LOSSES, advantage_estimator, make_loss
+from rlserve.algorithms.registry import advantage_estimator, make_loss
+from rlserve.catalog import ADVANTAGE_ESTIMATORS, LOSSES
 from rlserve.config.spec import AdvEstimatorCfg, LossFnCfg
 
 DECLARATIONS = ("needs_generator_logprobs", "needs_prev_logprobs", "minibatched", "needs_reference_logprobs",

@@ -7,10 +7,11 @@ import random
 
 import pytest
 
+from rlserve.catalog import TASKS
 from rlserve.config.spec import DataCfg
 from rlserve.data.dataset import PromptSampler, build_splits
 from rlserve.data.files import load_examples
-from rlserve.data.tasks import TASKS, get_task
+from rlserve.data.tasks import get_task
 from rlserve.environments.config import EnvironmentCfg
 from rlserve.environments.interfaces import Episode, StepInput
 from rlserve.environments.loader import load_environment
@@ -20,7 +21,7 @@ from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.loader import CombinedReward
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", TASKS.names)
 def test_tasks_are_seeded_and_use_the_alphabet(name):
     task = get_task(name, {})
     a = [task.example(random.Random(7)) for _ in range(20)]

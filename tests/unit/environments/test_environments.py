@@ -9,11 +9,12 @@ import json
 
 import pytest
 
+from rlserve.catalog import ENVIRONMENTS
 from rlserve.environments import serving
 from rlserve.environments.builtins import GuessNumber, SingleTurn
-from rlserve.environments.config import BUILTIN_NAMES, EnvironmentCfg
+from rlserve.environments.config import EnvironmentCfg
 from rlserve.environments.interfaces import Environment, Episode, ResetOutput, StepInput, StepOutput
-from rlserve.environments.loader import BUILTINS, load_environment
+from rlserve.environments.loader import load_environment
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.loader import CombinedReward
 from rlserve.rewards.scoring import score_batch
@@ -32,8 +33,9 @@ def step_input(text: str, turn: int = 1, ep: Episode | None = None, state=None) 
     return StepInput(ep or episode(), [{"role": "user", "content": "guess"}], text, state, turn)
 
 
-def test_the_built_in_names_are_the_loaders():
-    assert tuple(BUILTINS) == BUILTIN_NAMES
+@pytest.mark.parametrize("name", ENVIRONMENTS.names)
+def test_every_catalog_environment_is_an_environment(name):
+    assert issubclass(ENVIRONMENTS.load(name), Environment)
 
 
 def test_single_turn_scores_like_the_reward_service_and_is_done_after_one_step():

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from rlserve.catalog import LEARNER_BACKENDS
 from rlserve.config import parse_spec
 from rlserve.learner.interfaces import LearnerBackend
-from rlserve.learner.registry import BACKENDS, UnsupportedModel, check_model
+from rlserve.learner.registry import UnsupportedModel, check_model
 from rlserve.registry import import_object
 
 
-@pytest.mark.parametrize("name", BACKENDS.names)
+@pytest.mark.parametrize("name", LEARNER_BACKENDS.names)
 def test_every_entry_names_a_backend_and_a_model_check(name):
-    entry = BACKENDS[name]
+    entry = LEARNER_BACKENDS[name]
     assert issubclass(import_object(entry.backend), LearnerBackend)
     assert callable(import_object(entry.check_model))
 
@@ -33,4 +34,4 @@ def test_check_model_asks_the_spec_backends_check(monkeypatch):
 
 def test_unknown_backend_names_fail_listing_the_valid_ones():
     with pytest.raises(ValueError, match="unknown learner backend 'jax'; valid: dtensor, megatron"):
-        BACKENDS["jax"]
+        LEARNER_BACKENDS["jax"]

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from rlserve.rewards.builtins import LengthPenalty, MathVerify
+from rlserve.rewards.builtins import LengthPenalty
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.interfaces import RewardInput
 from rlserve.rewards.loader import CombinedReward
+from rlserve.rewards.math_answers import MathVerify
 from rlserve.rewards.scoring import score_batch
 from rlserve.v1 import reward_pb2
 
