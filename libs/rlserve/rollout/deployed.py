@@ -4,13 +4,20 @@ The engine is started with the cluster (the rollout service's deploy
 arguments), not per run, so the spec cannot choose it: it may only state what
 it expects. Unset keys take the deployed values (so the run directory's
 spec.yaml records what generated its samples); a key that disagrees is a
-problem the caller refuses the run with.
+problem the caller refuses the run with. The rollout knows the spec only by
+these key paths: it does not import the run spec's schema (`rlserve.config`).
 """
 
 from __future__ import annotations
 
-from rlserve.config.spec import RunSpec
+from typing import TypeVar
+
+from pydantic import BaseModel
+
 from rlserve.v1 import rollout_pb2
+
+# A run spec (`rlserve.config.RunSpec`): a model with the key paths `deployed_generation` names.
+Spec = TypeVar("Spec", bound=BaseModel)
 
 
 def deployed_generation(info: rollout_pb2.GetInfoResponse) -> dict[str, object]:
@@ -25,13 +32,13 @@ def deployed_generation(info: rollout_pb2.GetInfoResponse) -> dict[str, object]:
     }
 
 
-def match_generation(spec: RunSpec, info: rollout_pb2.GetInfoResponse) -> tuple[RunSpec, list[str]]:
+def match_generation(spec: Spec, info: rollout_pb2.GetInfoResponse) -> tuple[Spec, list[str]]:
     """(the spec with unset generation keys filled in from the deployment, the disagreements)."""
-    gen = spec.policy.generation.model_copy(deep=True)
+    spec = spec.model_copy(deep=True)
     problems = []
     for path, deployed in deployed_generation(info).items():
-        *parents, key = path.removeprefix("policy.generation.").split(".")
-        section = gen
+        *parents, key = path.split(".")
+        section = spec
         for name in parents:
             section = getattr(section, name)
         asked = getattr(section, key)
@@ -40,5 +47,4 @@ def match_generation(spec: RunSpec, info: rollout_pb2.GetInfoResponse) -> tuple[
         elif asked != deployed:
             problems.append(f"{path}: the run asks for {asked!r} but the rollout service runs {deployed!r} "
                             f"(set by the rollout's args in the cluster file; leave the key unset to use it)")
-    policy = spec.policy.model_copy(update={"generation": gen})
-    return spec.model_copy(update={"policy": policy}), problems
+    return spec, problems
