@@ -1,12 +1,13 @@
 """What a loss and an advantage estimator are, for the learner's objective and the coordinator.
 
-Implementations live in `losses/` and `advantages/`, one module each, and are
-chosen by name through `rlserve.algorithms.registry`.
+Implementations live in `losses/` and `advantages/`, one module each (or in a
+plug-in package), and are chosen by name through `rlserve.algorithms.registry`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,6 +53,9 @@ class Loss(ABC):
     minibatched: ClassVar[bool]
     # Sequences 2k and 2k + 1 form a pair (DPO's chosen and rejected) that a micro-batch holds whole.
     paired: ClassVar[bool] = False
+    # Metrics of this loss beyond the shared ones (`rlserve.algorithms.metrics`): metric name -> the key of
+    # a sum it returns, reported as is (a plug-in loss's own, e.g. {"my_loss/term": "my_term_sum"}).
+    reported_sums: ClassVar[Mapping[str, str]] = {}
     # Set by every constructor: the reference policy's logprobs are used.
     needs_reference_logprobs: bool
     # Set by every constructor: the global normaliser counts valid tokens (True) or sequences.

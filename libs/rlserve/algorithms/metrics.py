@@ -9,6 +9,8 @@ into namespaced metrics with one host sync, once per step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -98,16 +100,17 @@ _PAIR_MEANS = {
 }
 
 
-def finalize_metrics(sums: dict[str, Tensor]) -> dict[str, float]:
+def finalize_metrics(sums: dict[str, Tensor], reported: Mapping[str, str] | None = None) -> dict[str, float]:
     """Namespaced step metrics from the step's reduced sums (one host sync).
 
     Keys not in `sums` are left out, so this serves every loss alike (a backend
     adds "entropy_sum" when it computes per-token entropies). Token means and extremes
     are left out of a step without valid tokens rather than reported as 0 or inf.
+    `reported`: the loss's own metrics, name -> the sum reported as is (`Loss.reported_sums`).
     """
     keys = sorted(sums)
     values = dict(zip(keys, torch.stack([sums[k].float().reshape(()) for k in keys]).tolist()))
-    out = {name: values[key] for name, key in _STEP_VALUES.items() if key in values}
+    out = {name: values[key] for name, key in {**_STEP_VALUES, **(reported or {})}.items() if key in values}
     tokens = values.get("token_count", 0.0)
     if tokens > 0:
         out |= {name: values[key] / tokens for name, key in _TOKEN_MEANS.items() if key in values}

@@ -88,7 +88,7 @@ class StepObjective:
     def finalize(self, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
         """Step metrics over all micro-batches and data-parallel ranks (one host sync)."""
         sums = all_reduce_metric_sums(reduce_metric_sums(self._sums), dp_group)
-        metrics = finalize_metrics(sums)
+        metrics = finalize_metrics(sums, self.loss.reported_sums)
         # Losses were summed over minibatches; report the mean per optimizer update.
         for key in ("loss/total", "loss/policy_gradient", "loss/kl", "loss/preference", "loss/sft"):
             if key in metrics:
