@@ -1,6 +1,8 @@
 """The layering the design promises, checked on the source: the library and the scripts never
 import a service, no service imports another service, weights/ (store, fleet, transport) imports
-neither the learner nor the rollout, and module-level imports form no circle."""
+neither the learner nor the rollout, the catalog of names sits below everything that uses it, a few
+packages never import a few others, and imports outside functions (those under `if TYPE_CHECKING:`
+too: a type is knowledge of the module) form no circle."""
 
 from __future__ import annotations
 
@@ -16,22 +18,30 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, module_level_only: bool) -> set[str]:
-    """Modules `path` imports (for module_level_only: outside functions and `if TYPE_CHECKING:`)."""
+def is_source_module(name: str) -> bool:
+    """Whether the dotted `name` is a module (or package) of this repository."""
+    rel = Path(*name.split("."))
+    return any((base / rel).with_suffix(".py").is_file() or (base / rel / "__init__.py").is_file()
+               for base in (ROOT / "libs", ROOT))
+
+
+def imports(path: Path, outside_functions_only: bool) -> set[str]:
+    """Modules `path` imports (for outside_functions_only: not inside a function; `if TYPE_CHECKING:`
+    counts)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if module_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            if module_level_only and isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            if outside_functions_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names)
             elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
-                found.add(child.module)
-                found.update(f"{child.module}.{a.name}" for a in child.names)
+                named = {f"{child.module}.{a.name}" for a in child.names}
+                found.update(named)
+                if not all(map(is_source_module, named)):  # `from pkg import submodule` knows the submodule only
+                    found.add(child.module)
             visit(child)
 
     visit(tree)
@@ -67,7 +77,44 @@ def test_weights_import_neither_learner_nor_rollout():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_module_level_imports_form_no_circle():
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+# Packages that never import another, not even inside a function or for a type (the first may know the
+# second only by a name in `rlserve.catalog`), each with the reason.
+NEVER_IMPORTS = {
+    ("rlserve.config", "rlserve.learner"): "the spec takes backend names from the catalog; backends read the spec",
+    ("rlserve.config", "rlserve.data"): "the spec takes task names from the catalog; data/ reads the spec",
+    ("rlserve.config", "rlserve.algorithms"): "the spec takes loss and estimator names from the catalog",
+    ("rlserve.rollout", "rlserve.config"): "an engine serves any run; the spec is the coordinator's and learner's",
+    ("rlserve.rollout", "rlserve.runs"): "an engine knows no run record",
+    ("rlserve.security", "rlserve.rewards"): "the policy checks names and paths, below what it guards",
+    ("rlserve.models", "rlserve.data"): "models (presets, tokenizers) come before the data fed to them",
+    ("rlserve.rewards", "rlserve.rollout"): "scoring runs beside generation, never on its engines",
+}
+
+
+def test_packages_never_import_the_packages_below_them():
+    offenders = {}
+    for path in sources("libs/rlserve"):
+        name = module_name(path)
+        for (importer, imported), _ in NEVER_IMPORTS.items():
+            if within(name, importer):
+                found = sorted(m for m in imports(path, False) if within(m, imported))
+                if found:
+                    offenders[name] = found
+    assert offenders == {}
+
+
+def test_the_catalog_imports_nothing_of_rlserve_above_the_registry():
+    """Everything that names things imports it: it must sit below all of them."""
+    for name in ("catalog", "registry"):
+        found = imports(ROOT / "libs" / "rlserve" / f"{name}.py", False)
+        assert sorted(m for m in found if within(m, "rlserve") and not within(m, "rlserve.registry")) == []
+
+
+def test_imports_outside_functions_form_no_circle():
     paths = sources("libs/rlserve", "services")
     names = {module_name(p): p for p in paths}
     graph = {name: {m for m in imports(path, True) if m in names and m != name} for name, path in names.items()}
@@ -100,6 +147,7 @@ RAY_ALLOWED = {
     "rlserve.weights.store": "the publication store actor (the newest version's buckets in the object store)",
     "rlserve.weights.fleet": "the fleet mailbox actor (membership, weight-transfer commands)",
     "rlserve.learner.publisher": "the learner's sender: buckets into the object store, commands to the fleet",
+    "rlserve.learner.ray_group": "the learner's worker group: one Ray actor per rank in a placement group",
     "rlserve.rollout.follower": "a rollout replica's follower: fetches publications from the object store",
     "rlserve.rollout.adapters": "a rollout replica's table of runs' adapters: fetches them from the object store",
     "rlserve.bundle.check": "checks an offline install: that Ray imports and its binaries are executable",
