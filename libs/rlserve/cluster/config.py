@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from rlserve.catalog import PluginsCfg
 from rlserve.config.errors import SpecError, format_validation_error
 from rlserve.gateway.limits import CallerLimits
 from rlserve.runs.quotas import QuotasCfg
@@ -180,6 +181,10 @@ class ClusterFile(BaseModel):
     # alone: it waits for the runs before it, and the runs after it wait for it.
     max_concurrent_runs: int = Field(4, ge=1, le=MAX_CONCURRENT_RUNS)
     reward: RewardPolicyCfg = RewardPolicyCfg()
+    # What the cluster loads beyond rlserve's built-ins (rlserve.catalog.PluginsCfg): the packages whose
+    # entry points add losses, advantage estimators, environments, reward functions, tasks and rollout
+    # engines, and entries by import path. Every service's processes get it (RLSERVE_PLUGINS); none: none.
+    plugins: PluginsCfg = PluginsCfg()
     services: ServicesCfg = ServicesCfg()
     # The file this was read from (`load_cluster_file`): the coordinator re-reads its quotas there.
     _source: Path | None = PrivateAttr(None)

@@ -88,8 +88,10 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
                               "max_surge_percent": 0, "resources": {"node:__internal_head__": 0.001},
                               "cpu_cores": list(cfg.gateway_cpu_cores)}
     else:
+        # The cluster's plug-ins reach the replicas and what they start (learner workers inherit the
+        # replica's runtime environment, the coordinator's spec reader its process environment).
         args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
-                              "env_vars": svc.env_vars, "resources": svc.resources, "cpu_cores": svc.cpu_cores,
+                              "env_vars": {**svc.env_vars, **cfg.plugins.env()}, "resources": svc.resources, "cpu_cores": svc.cpu_cores,
                               "nice": svc.nice}
     return args
 
