@@ -108,6 +108,25 @@ LEARNER_BACKENDS = Registry("learner backend", {
 # The backend of a spec that enables no other.
 DEFAULT_BACKEND = "dtensor"
 
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    # "module:Class" of the `rlserve.loop.algorithm.Algorithm`.
+    impl: str
+    # The spec section that holds its max_num_steps and its settings.
+    section: str
+    # It samples from the policy while it trains (an RL run): LoRA runs of it may share the deployed base.
+    samples_from_policy: bool
+
+
+# Algorithms: a spec's `algorithm`, what the loop (`rlserve.loop.attempt`) runs at each step. Closed: each
+# has a spec section of its own.
+ALGORITHMS = Registry("algorithm", {
+    "grpo": AlgorithmEntry("rlserve.algorithms.grpo:Grpo", "grpo", True),
+    "distillation": AlgorithmEntry("rlserve.algorithms.distillation:Distillation", "grpo", True),
+    "sft": AlgorithmEntry("rlserve.algorithms.sft:Sft", "sft", False),
+    "dpo": AlgorithmEntry("rlserve.algorithms.dpo:Dpo", "dpo", False),
+})
+
 # The registries a user's package may add to, by entry-point group.
 OPEN_REGISTRIES: dict[str, Registry] = {r.group: r for r in (
     LOSSES, ADVANTAGE_ESTIMATORS, ENVIRONMENTS, REWARD_FUNCTIONS, TASKS, ROLLOUT_ENGINES)}

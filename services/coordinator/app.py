@@ -3,8 +3,8 @@
 Each RPC decodes, calls the run manager (`rlserve.runs.manager`), and
 encodes. The gateway passes the caller's principal after the request; a call
 that passes none comes from inside the cluster and runs as `system` (an
-admin). Runs are admitted by `rlserve.grpo.admission` and executed by
-`rlserve.grpo.recovery.run_grpo`, which reaches the other applications
+admin). Runs are admitted by `rlserve.loop.admission` and executed by
+`rlserve.loop.recovery.run_to_end`, which reaches the other applications
 through `handles.ServeServices`.
 """
 
@@ -18,11 +18,11 @@ from ray import serve
 from rlserve.cluster.config import MAX_CONCURRENT_RUNS
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import place_from_env
-from rlserve.grpo.admission import GrpoAdmission
-from rlserve.grpo.recovery import run_grpo
-from rlserve.grpo.retry import RetryPolicy
-from rlserve.grpo.services import RunServices
-from rlserve.grpo.state import LoopSettings
+from rlserve.loop.admission import RunAdmission
+from rlserve.loop.inputs import LoopSettings
+from rlserve.loop.recovery import run_to_end
+from rlserve.loop.retry import RetryPolicy
+from rlserve.loop.services import RunServices
 from rlserve.logs import setup_logging
 from rlserve.rpc import grpc_method
 from rlserve.runs.feed import run_feed
@@ -93,7 +93,7 @@ class Coordinator:
         place_from_env()
         self.args = CoordinatorArgs.model_validate(args or {})
         plugins = PluginPolicy(self.args.allowed_plugins, self.args.allowed_models)
-        admission = GrpoAdmission(self.args.paths.policy(), plugins,
+        admission = RunAdmission(self.args.paths.policy(), plugins,
                                   self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
         quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
@@ -111,7 +111,7 @@ class Coordinator:
                                                lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
                                                self.args.watchdog_timeout_s,
                                                env_endpoint=run.spec.env.endpoint if run.spec.env.enabled else None)
-        await run_grpo(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s,
+        await run_to_end(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s,
                                                           self.args.generation_shares_cpu_cores))
 
     async def __del__(self) -> None:

@@ -2,7 +2,9 @@
 
 Every call goes through `Retrying` (back-off, time-outs, RETRY events). The
 training batch travels through the object store (one `ray.put`, its ref
-inside a list so Serve hands it over instead of resolving it). An external
+inside a list so Serve hands it over instead of resolving it); the run's
+resolved spec goes to Configure as the object itself (the learner parses no
+YAML). An external
 reward server (`reward.endpoint`) or environment server (`env.endpoint`) is
 called over gRPC instead of the reward application.
 """
@@ -18,8 +20,9 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from rlserve.grpo.retry import Retrying, RetryPolicy
-from rlserve.grpo.services import Capacity, RunServices, ServiceFailure
+from rlserve.config import RunSpec
+from rlserve.loop.retry import Retrying, RetryPolicy
+from rlserve.loop.services import Capacity, RunServices, ServiceFailure
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import (
     environment_pb2,
@@ -96,8 +99,8 @@ class ServeServices(RunServices):
     async def reference_logprobs(self, req: reference_pb2.LogProbsRequest) -> reference_pb2.LogProbsResponse:
         return await self.retrying.call("reference.LogProbs", lambda: self.reference.LogProbs.remote(req))
 
-    async def configure(self, req: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
-        return await self.retrying.call("learner.Configure", lambda: self.learner.Configure.remote(req))
+    async def configure(self, req: learner_pb2.ConfigureRequest, spec: RunSpec) -> learner_pb2.ConfigureResponse:
+        return await self.retrying.call("learner.Configure", lambda: self.learner.Configure.remote(req, spec))
 
     async def train_step(self, req: learner_pb2.TrainStepRequest, batch: TrainBatch) -> learner_pb2.TrainStepResponse:
         ref = ray.put(batch)

@@ -2,7 +2,7 @@
 logprobs of a 3-turn trajectory equal the logprobs the engine sampled with, on every token of the
 policy, within 1e-4 (padded and packed), and a step trains on it with only those tokens counted.
 
-The episodes run through the library's episode code (`grpo/episodes.py`) against vLLM's AsyncLLM and an
+The episodes run through the library's producer (`trajectories/rollout.py`, `episodes.py`) against vLLM's AsyncLLM and an
 environment that always answers, on the `tiny-chat` preset (byte-level BPE, ChatML template), so the
 trajectory holds the template's turn markers and observation tokens between the engine's turns."""
 
@@ -15,16 +15,18 @@ import torch
 
 from rlserve.config import RunSpec, spec_to_yaml
 from rlserve.environments.interfaces import Environment, StepInput, StepOutput
-from rlserve.grpo.episodes import episode_groups
-from rlserve.grpo.state import RunInputs
-from rlserve.grpo.trainer import build_batch
+from rlserve.loop.algorithm import algorithm_class
+from rlserve.loop.inputs import RunInputs
 from rlserve.models import resolve_model
 from rlserve.rollout import make_engine
 from rlserve.rollout.interfaces import EngineConfig
+from rlserve.trajectories.batch import build_batch
+from rlserve.trajectories.rollout import play
 from rlserve.v1 import common_pb2, rollout_pb2
 from tests.support.aio import LoopThread
 from tests.support.dist import run_ranks
 from tests.support.fake_services import FakeServices
+from tests.support.trajectories import first_step
 
 MODEL = "preset:tiny-chat"
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -83,14 +85,14 @@ def episodes(tmp_path_factory):
     spec = RunSpec.model_validate(spec_dict())
     run_dir = tmp_path_factory.mktemp("mt")
     (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
-    inputs = RunInputs.build("mt", spec, run_dir)
+    inputs = RunInputs.build("mt", spec, run_dir, algorithm_class(spec).data)
     loop = LoopThread()
     try:
         engine = loop.run(_start())
         try:
             services = EngineServices(engine, environments={"answer": Answer()})
-            groups, _, _ = loop.run(episode_groups(services, inputs, list(inputs.train[:2]), 0, 0, 0,
-                                                   inputs.model_path))
+            groups = loop.run(play(services, inputs, first_step(inputs, list(inputs.train[:2])),
+                                   inputs.model_path)).groups
         finally:
             loop.run(engine.close())
     finally:
@@ -127,14 +129,14 @@ def learner_logprobs(rank: int, world: int, spec: dict, batch, packed: bool):
 def test_episodes_hold_three_turns_with_observations_between(episodes):
     inputs, groups = episodes
     assert all(not g.env_failures for g in groups)
-    three = [(g, j) for g in groups for j, t in enumerate(g.turns) if t == 3]
-    assert three, [g.turns for g in groups]
-    g, j = three[0]
-    assert g.endings[j] == "max_turns"
-    mask = g.loss_masks[j]
+    three = [(g, t) for g in groups for t in g.trajectories if t.turns == 3]
+    assert three, [[t.turns for t in g.trajectories] for g in groups]
+    g, traj = three[0]
+    assert traj.ending == "max_turns"
+    mask = traj.mask
     runs = [m for k, m in enumerate(mask) if k == 0 or m != mask[k - 1]]
     assert runs == [True, False, True, False, True]  # policy, observation, policy, observation, policy
-    text = inputs.tok.tok.decode(g.prompt_ids + g.completions[j])
+    text = inputs.tok.tok.decode(g.prompt_ids + traj.tokens)
     assert text.count("<|im_start|>user\ntry again") == 2 and text.count("<|im_start|>assistant\n") == 3
 
 

@@ -1,4 +1,4 @@
-"""An in-memory `RunServices` for unit tests of the GRPO loop (no Ray, no Serve, no models).
+"""An in-memory `RunServices` for unit tests of the run loop (no Ray, no Serve, no models).
 
 It behaves like the real services where the loop relies on it: the learner
 holds one session that Configure starts and that a lost worker ends (then
@@ -22,11 +22,12 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlserve.config import RunSpec
 from rlserve.environments import serving
 from rlserve.environments.config import EnvironmentCfg
 from rlserve.environments.interfaces import Environment
 from rlserve.environments.loader import Environments
-from rlserve.grpo.services import Capacity, RunServices, RunStateLost
+from rlserve.loop.services import Capacity, RunServices, RunStateLost
 from rlserve.rewards.config import RewardFunctionCfg
 from rlserve.rewards.loader import CombinedReward
 from rlserve.security.plugins import PluginPolicy
@@ -41,6 +42,7 @@ class Calls:
     batches: list[TrainBatch] = field(default_factory=list)
     reference: int = 0
     configure: int = 0
+    configured: list[RunSpec] = field(default_factory=list)  # the spec of each Configure
     released: list[str] = field(default_factory=list)
     running: int = 0  # Generate calls in progress now
     peak: int = 0  # the most at once
@@ -131,8 +133,9 @@ class FakeServices(RunServices):
         if self.session != run_id:
             raise RunStateLost(f"learner: ABORTED: no training session for run {run_id!r}")
 
-    async def configure(self, req: learner_pb2.ConfigureRequest) -> learner_pb2.ConfigureResponse:
+    async def configure(self, req: learner_pb2.ConfigureRequest, spec: RunSpec) -> learner_pb2.ConfigureResponse:
         self.calls.configure += 1
+        self.calls.configured.append(spec)
         self.session, self.learner_version, self._last_step = req.run_id, 0, None
         return learner_pb2.ConfigureResponse(backend="fake", world_size=1, parallel_layout="dp=1",
                                              num_parameters=1000, device="cpu")

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlserve.catalog import DEFAULT_BACKEND, ENVIRONMENTS, LEARNER_BACKENDS, ROLLOUT_ENGINES, TASKS
+from rlserve.catalog import ALGORITHMS, DEFAULT_BACKEND, ENVIRONMENTS, LEARNER_BACKENDS, ROLLOUT_ENGINES, TASKS
 from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg, RewardShapingCfg, SftCfg
 from rlserve.config.section import (
     MAX_EXAMPLES,
@@ -543,9 +543,6 @@ class ClusterCfg(Section):
     torch_threads: int = Field(1, ge=1, le=1024)
 
 
-# What a run trains: GRPO's loop (`rlserve.grpo`), or supervised fine-tuning or DPO on a data file
-# (`rlserve.supervised`), through the same learner, checkpoints, export and run API.
-ALGORITHMS = ("grpo", "sft", "dpo")
 
 
 class TeacherCfg(Section):
@@ -560,7 +557,9 @@ class TeacherCfg(Section):
 class RunSpec(Section):
     # Part of the run id and of its folder's name.
     name: str = Field("grpo", min_length=1, max_length=MAX_NAME_CHARS, pattern=NAME_PATTERN)
-    algorithm: Literal[ALGORITHMS] = "grpo"
+    # What a run trains (`rlserve.catalog.ALGORITHMS`): grpo, on-policy distillation, or supervised
+    # fine-tuning or DPO on a data file, each through the same loop, learner, checkpoints and run API.
+    algorithm: str = "grpo"
     # The run's weight when it shares the cluster with other runs: of the rollout engines' tokens and
     # the learner's seconds, each run gets its priority over the sum of the priorities of the runs
     # wanting them (`rlserve.tenancy.fair_share`). Above 1 only as far as the user's quota
@@ -578,6 +577,31 @@ class RunSpec(Section):
     checkpointing: CheckpointingCfg = CheckpointingCfg()
     logger: LoggerCfg = LoggerCfg()
     cluster: ClusterCfg = ClusterCfg()
+
+    @field_validator("algorithm")
+    @classmethod
+    def _algorithm_known(cls, v: str) -> str:
+        return ALGORITHMS.check(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _distillation_estimator(cls, data: Any) -> Any:
+        """`algorithm: distillation` trains with the on_policy_distillation estimator (its default); a spec
+        that names that estimator in an `algorithm: grpo` run (how earlier specs asked for distillation)
+        is a distillation run."""
+        if not isinstance(data, dict) or not isinstance(data.get("grpo", {}), dict):
+            return data
+        grpo = data.get("grpo", {})
+        estimator = grpo.get("adv_estimator", {})
+        if not isinstance(estimator, dict):
+            return data
+        named = estimator.get("name")
+        algorithm = data.get("algorithm", "grpo")
+        if algorithm == "distillation" and named is None:
+            return {**data, "grpo": {**grpo, "adv_estimator": {**estimator, "name": "on_policy_distillation"}}}
+        if algorithm == "grpo" and named == "on_policy_distillation":
+            return {**data, "algorithm": "distillation"}
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunSpec:
@@ -625,17 +649,19 @@ class RunSpec(Section):
                              f"the reward (grpo.adv_estimator.name is {self.grpo.adv_estimator.name!r})")
 
     def _check_distillation(self) -> None:
-        distilling = self.grpo.adv_estimator.name == "on_policy_distillation"
+        distilling = self.algorithm == "distillation"
+        estimator = self.grpo.adv_estimator.name
+        if distilling != (estimator == "on_policy_distillation"):
+            raise ValueError(f"grpo.adv_estimator.name: an algorithm: distillation run trains with "
+                             f"on_policy_distillation, not {estimator!r}" if distilling else
+                             f"grpo.adv_estimator.name: on_policy_distillation is the estimator of algorithm: "
+                             f"distillation, not of an algorithm: {self.algorithm} run")
         if distilling != (self.teacher.model_name is not None):
-            raise ValueError("teacher.model_name: required by grpo.adv_estimator.name on_policy_distillation"
-                             if distilling else f"teacher.model_name: only read by on-policy distillation "
-                             f"(grpo.adv_estimator.name: on_policy_distillation; it is "
-                             f"{self.grpo.adv_estimator.name!r})")
+            raise ValueError("teacher.model_name: required by algorithm: distillation" if distilling else
+                             f"teacher.model_name: only read by on-policy distillation (algorithm: distillation; "
+                             f"it is {self.algorithm!r})")
         if not distilling:
             return
-        if self.algorithm != "grpo":
-            raise ValueError(f"teacher.model_name: on-policy distillation samples from the policy (algorithm: grpo), "
-                             f"not in an algorithm: {self.algorithm} run")
         if self.loss_fn.reference_policy_kl_penalty > 0:
             raise ValueError("loss_fn.reference_policy_kl_penalty: in a distillation run the reference service "
                              "scores with the teacher, whose pull the advantages already carry; set it to 0")
@@ -644,14 +670,14 @@ class RunSpec(Section):
                              "teacher's signal in a distillation run")
 
     def _check_run_type(self) -> None:
-        if self.algorithm == "grpo":
+        if ALGORITHMS[self.algorithm].samples_from_policy:
             return
         if self.sft.enabled:
             raise ValueError(f"sft.enabled: the SFT warm start comes before GRPO; an algorithm: {self.algorithm} run "
                              f"trains from policy.model_name itself" + (" with the sft section's settings"
                                                                         if self.algorithm == "sft" else ""))
         if self.policy.lora.enabled:
-            raise ValueError(f"{self.policy.lora_key}.enabled: LoRA trains in GRPO runs only; an algorithm: "
+            raise ValueError(f"{self.policy.lora_key}.enabled: LoRA trains in RL runs only; an algorithm: "
                              f"{self.algorithm} run trains every weight")
         if self.algorithm == "dpo" and self.data.task not in FILE_TASKS:
             raise ValueError(f"data.task: an algorithm: dpo run trains on a preference file ({' or '.join(FILE_TASKS)} "
@@ -665,8 +691,7 @@ class RunSpec(Section):
     @property
     def max_num_steps(self) -> int:
         """The run's steps: its algorithm section's max_num_steps."""
-        return {"grpo": self.grpo.max_num_steps, "sft": self.sft.max_num_steps,
-                "dpo": self.dpo.max_num_steps}[self.algorithm]
+        return getattr(self, ALGORITHMS[self.algorithm].section).max_num_steps
 
     @property
     def max_response_length(self) -> int:
@@ -687,10 +712,10 @@ class RunSpec(Section):
 
     @property
     def shares_deployed_base(self) -> bool:
-        """A GRPO LoRA run that adapts the deployed model (no SFT warm start of its own base): its adapter is served
+        """An RL LoRA run that adapts the deployed model (no SFT warm start of its own base): its adapter is served
         beside other such runs' on the rollout's base, its learner session shares the frozen base with
         theirs, and the coordinator runs it at the same time as they (up to `max_concurrent_runs`)."""
-        return self.algorithm == "grpo" and self.policy.lora.enabled and not self.sft.enabled
+        return ALGORITHMS[self.algorithm].samples_from_policy and self.policy.lora.enabled and not self.sft.enabled
 
     @property
     def reference_from_service(self) -> bool:

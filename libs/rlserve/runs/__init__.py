@@ -1,3 +1,3 @@
 """Runs as the API sees them: the record of each run (`record`), where its trajectories went
 (`ledger`), its run directory (`recorder`), and the manager that queues, starts, cancels and
-reloads them (`manager`). The RL loop that a run executes lives in `rlserve.grpo`."""
+reloads them (`manager`). The loop that a run executes lives in `rlserve.loop`."""

@@ -73,7 +73,7 @@ RunBody = Callable[[Run], Awaitable[None]]
 class Admission:
     """What a run must pass before it is queued (`check`, on the request path, cheap; it returns the spec
     with its files as confined absolute paths) and before it starts (`preflight`, off the request path,
-    bounded by the manager's time-out). `rlserve.grpo.admission.GrpoAdmission` is the GRPO one."""
+    bounded by the manager's time-out). `rlserve.loop.admission.RunAdmission` is the cluster's."""
 
     async def check(self, spec: RunSpec, run_access: RunAccess | None) -> RunSpec:
         """`run_access`: the run folders the caller may name (None: every one)."""
@@ -166,7 +166,7 @@ class RunManager:
                 run.end(pb.RUN_STATE_CANCELLED, "the coordinator restarted while the run was cancelling",
                         reason="cancelled")
             elif self.resume_on_restart and run.spec.checkpointing.auto_resume:
-                run.resume_reason = f"the coordinator restarted while the run was {was}"
+                run.resume(f"the coordinator restarted while the run was {was}")
                 run.emit(pb.EVENT_KIND_INFO, f"{run.resume_reason}; it continues from its last checkpoint")
                 self._slots[run.run_id].preflight_passed = True  # it passed when it was submitted
                 self.queue.append(run.run_id)
@@ -279,9 +279,8 @@ class RunManager:
             # A resumed folder without a record has no owner on record: like runs from before owners, `user`'s.
             run = Run(run_id, spec, run_dir, LEGACY_OWNER if resume else caller.name)
         slot = _Slot(run)
-        run.spec = spec
         if resume:
-            run.resume_reason = "resumed by SubmitRun"
+            run.resume("resumed by SubmitRun", spec)
         (run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
         self._slots[run_id] = slot
         self.queue.append(run_id)

@@ -2,9 +2,15 @@
 
 The record is what the API shows (GetRun, ListRuns, WatchRun) and what a
 restarted coordinator reloads: run.json (rewritten on change) and
-events.jsonl (appended, the record of what happened). The RL loop writes
-it; the run manager changes its state. Event sequence numbers are positions
-in the log, so a reloaded run's new events continue them.
+events.jsonl (appended, the record of what happened). Event sequence numbers
+are positions in the log, so a reloaded run's new events continue them.
+
+It is not a blackboard: its fields are read-only views, and it changes only
+through its commands, each of which announces itself. The loop counts
+trajectories (`count_generated`, `drop`), records steps (`record_step`),
+rewinds to a checkpoint (`rewind`) and finishes (`finish`); the run manager
+changes its state (`set_state`, `end`) and queues resumes (`resume`). So the
+ledger in run.json always agrees with what the events announced.
 """
 
 from __future__ import annotations
@@ -36,24 +42,122 @@ LEGACY_OWNER = LEGACY_USER
 
 class Run:
     def __init__(self, run_id: str, spec: RunSpec, run_dir: Path, owner: str = LEGACY_OWNER):
-        self.run_id, self.spec, self.run_dir = run_id, spec, run_dir
+        self.run_id, self.run_dir = run_id, run_dir
         # The principal that submitted it (by name): only they and admins see it, and their quotas count it.
         self.owner = owner
-        self.state = pb.RUN_STATE_QUEUED
-        self.step = 0
-        self.version = 0
-        self.error = ""
-        self.ledger = Ledger()
+        self._spec = spec
+        self._state = pb.RUN_STATE_QUEUED
+        self._step = 0
+        self._version = 0
+        self._error = ""
+        self._ledger = Ledger()
         self.usage = Usage()  # what its steps spent (`rlserve.runs.usage`)
-        self.last_metrics: dict[str, float] = {}
+        self._last_metrics: dict[str, float] = {}
         self.created = self.updated = time.time()
-        self.final_model_path = ""
-        self.plot_path = ""
+        self._final_model_path = ""
+        self._plot_path = ""
         self._events: list[pb.RunEvent] | None = []
         self._changed = asyncio.Condition()
         self.recorder = Recorder(run_dir, spec.logger.tensorboard_enabled)
         # Non-empty: the next start continues from the last checkpoint, and this says why.
-        self.resume_reason = ""
+        self._resume_reason = ""
+
+    # --- read-only views -------------------------------------------------------
+
+    @property
+    def spec(self) -> RunSpec:
+        return self._spec
+
+    @property
+    def state(self) -> int:
+        return self._state
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+    @property
+    def step(self) -> int:
+        """Steps finished (trained or skipped)."""
+        return self._step
+
+    @property
+    def version(self) -> int:
+        """The policy's weight version after the last step."""
+        return self._version
+
+    @property
+    def ledger(self) -> Ledger:
+        """Where its trajectories went; change it only through the commands below."""
+        return self._ledger
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._last_metrics)
+
+    @property
+    def final_model_path(self) -> str:
+        return self._final_model_path
+
+    @property
+    def plot_path(self) -> str:
+        return self._plot_path
+
+    @property
+    def resume_reason(self) -> str:
+        """Non-empty: the next start continues from the last checkpoint, and this says why."""
+        return self._resume_reason
+
+    # --- the loop's commands ---------------------------------------------------
+
+    def count_generated(self, n: int) -> None:
+        """`n` trajectories (or examples) generated and in flight until trained or dropped."""
+        self._ledger.generate(n)
+
+    def drop(self, reason: str, n: int, message: str) -> None:
+        """`n` in-flight trajectories dropped for `reason`, announced by a DROPPED event saying `message`."""
+        self._ledger.drop(reason, n)
+        self.emit(pb.EVENT_KIND_DROPPED, message, {f"dropped/{reason}": float(n)})
+
+    def record_step(self, step: int, version: int, metrics: dict[str, float]) -> None:
+        """Step `step` finished at weight version `version`: its metrics are written and its
+        `batch/trajectories_trained` count as trained, together with the STEP event that announces them."""
+        self._step, self._version = step, version
+        self._last_metrics = {k: v for k, v in metrics.items() if isinstance(v, float)}
+        self.recorder.metrics(step, metrics)
+        self._ledger.train(int(metrics["batch/trajectories_trained"]))
+        self.emit(pb.EVENT_KIND_STEP, f"step {step}/{self._spec.max_num_steps}", metrics)
+
+    def rewind(self, checkpoint: Ledger, step: int, version: int, metrics_through: int) -> dict[str, float]:
+        """Back to a checkpoint's ledger, step and version (metrics after step `metrics_through` are
+        forgotten); returns the ledger's changes and `recovery/steps_redone` for the RECOVERED event."""
+        ledger, changes = self._ledger.rewind(checkpoint)
+        changes["recovery/steps_redone"] = float(max(0, self._step - step))
+        self._ledger, self._step, self._version = ledger, step, version
+        self.recorder.rewind(metrics_through)
+        rows = self.recorder.read("metrics.jsonl")
+        self._last_metrics = {k: v for k, v in rows[-1].items() if k != "step" and isinstance(v, float)} if rows \
+            else {}
+        self.save()
+        return changes
+
+    def finish(self, final_model_path: str, plot_path: str) -> None:
+        """The run's outputs: the final policy's HF folder and the reward plot ("" when none)."""
+        self._final_model_path, self._plot_path = final_model_path, plot_path
+        self.save()
+
+    # --- the run manager's commands ----------------------------------------------
+
+    def resume(self, reason: str, spec: RunSpec | None = None) -> None:
+        """The next start continues from the last checkpoint (with `spec`: a resume that extends the run)."""
+        self._resume_reason = reason
+        if spec is not None:
+            self._spec = spec
+
+    def take_resume_reason(self) -> str:
+        """Why this start resumes ("" for a fresh start); the next start is a fresh one unless resumed again."""
+        reason, self._resume_reason = self._resume_reason, ""
+        return reason
 
     # --- events --------------------------------------------------------------
 
@@ -102,18 +206,16 @@ class Run:
 
     def set_state(self, state: int, detail: str = "") -> None:
         """Change state (detail: why a run failed or was cancelled; it becomes `error`)."""
-        self.state = state
-        self.error = detail if state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED) else ""
+        self._state = state
+        self._error = detail if state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED) else ""
         self.save()
         self.emit(pb.EVENT_KIND_STATE, STATE_NAMES[state] + (f": {detail}" if detail else ""))
 
     def end(self, state: int, detail: str = "", reason: str = "") -> None:
         """Enter a terminal state; what is still in flight is dropped with `reason` first."""
-        n = self.ledger.in_flight
+        n = self._ledger.in_flight
         if n and reason:
-            self.ledger.drop(reason, n)
-            self.emit(pb.EVENT_KIND_DROPPED, f"dropped {n} trajectories in flight: {reason}",
-                      {f"dropped/{reason}": float(n)})
+            self.drop(reason, n, f"dropped {n} trajectories in flight: {reason}")
         self.set_state(state, detail)
 
     async def watch(self, from_sequence: int, max_s: float) -> AsyncIterator[pb.RunEvent]:
@@ -153,17 +255,17 @@ class Run:
         if not isinstance(owner, str):
             raise ValueError(f"owner: {owner!r} is not a principal's name")
         run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir, owner)
-        run.state = _STATES[info["state"]]
-        run.step, run.version, run.error = info["step"], info["weight_version"], info["error"]
+        run._state = _STATES[info["state"]]
+        run._version, run._error = info["weight_version"], info["error"]
         run.created, run.updated = info["created"], info["updated"]
-        run.final_model_path, run.plot_path = info["final_model_path"], info["plot_path"]
-        run.last_metrics = info.get("last_metrics", {})
+        run._final_model_path, run._plot_path = info["final_model_path"], info["plot_path"]
+        run._last_metrics = info.get("last_metrics", {})
         run._load_events()
         # run.json may lag the event log (see `Ledger.as_announced`): the events are the record.
-        run.ledger = Ledger.from_dict(info["ledger"]).as_announced(run.events)
+        run._ledger = Ledger.from_dict(info["ledger"]).as_announced(run.events)
         run.usage = Usage.from_events(run.events)
-        run.step = next((ev.step for ev in reversed(run.events)
-                         if ev.kind in (pb.EVENT_KIND_STEP, pb.EVENT_KIND_RECOVERED)), run.step)
+        run._step = next((ev.step for ev in reversed(run.events)
+                          if ev.kind in (pb.EVENT_KIND_STEP, pb.EVENT_KIND_RECOVERED)), info["step"])
         return run
 
     def save(self) -> None:

@@ -13,7 +13,8 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 @pytest.mark.parametrize("path", sorted([*EXAMPLES.glob("grpo_*.yaml"), *EXAMPLES.glob("sft_*.yaml"),
-                                          *EXAMPLES.glob("dpo_*.yaml")]), ids=lambda p: p.name)
+                                          *EXAMPLES.glob("dpo_*.yaml"),
+                                          *EXAMPLES.glob("distillation_*.yaml")]), ids=lambda p: p.name)
 def test_example_specs_validate(path):
     spec = load_spec(path)
     assert spec.max_num_steps > 0 and path.name.startswith(spec.algorithm)

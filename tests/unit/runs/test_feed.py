@@ -28,13 +28,13 @@ def test_the_feed_sends_all_runs_then_each_change_once(tmp_path, monkeypatch):
         runs["b"].set_state(pb.RUN_STATE_CANCELLED, "by test")
         feed = run_feed(lambda: runs, interval_s=0.01, max_s=60)
         assert _ids(await anext(feed)) == ["a", "b"]  # the first batch: everything
-        runs["a"].step = 4
+        runs["a"].record_step(4, 4, {"batch/trajectories_trained": 0.0})
         runs["c"] = Run("c", RunSpec(), tmp_path / "c")
         batch = await anext(feed)  # ticks without a change send nothing
         assert _ids(batch) == ["a", "c"] and pb.Run.FromString(batch.runs[0]).step == 4
         # A finished run whose record changes without an event (its `updated` unchanged) is still sent, by the
         # periodic full check.
-        runs["b"].final_model_path = "/x/final"
+        runs["b"].finish("/x/final", "")
         batch = await asyncio.wait_for(anext(feed), 5)
         assert _ids(batch) == ["b"] and pb.Run.FromString(batch.runs[0]).final_model_path == "/x/final"
         await feed.aclose()

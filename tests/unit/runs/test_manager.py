@@ -35,7 +35,7 @@ class RefuseByName(Admission):
 
 def manager(tmp_path, preflight_error: str | None = None, trained: list | None = None) -> RunManager:
     async def body(run):
-        run.step = run.spec.grpo.max_num_steps
+        run.record_step(run.spec.max_num_steps, 0, {"batch/trajectories_trained": 0.0})
         (trained if trained is not None else []).append(run.run_id)
 
     return RunManager(tmp_path, body, RefuseByName(preflight_error), preflight_timeout_s=5)
@@ -146,12 +146,12 @@ def test_a_cancelled_run_whose_task_does_not_stop_is_cancelled_within_the_grace_
 
     async def body(run):
         if run.run_id == "stuck":
-            run.ledger.generate(8)
+            run.count_generated(8)
             started.set()
             try:
                 await asyncio.sleep(3600)
             finally:
-                await asyncio.shield(release.wait())  # as run_grpo's release of the learner
+                await asyncio.shield(release.wait())  # as run_to_end's release of the learner
 
     async def main():
         m = RunManager(tmp_path, body, RefuseByName(None), preflight_timeout_s=5, cancel_grace_s=0.2)
@@ -180,10 +180,9 @@ def test_random_submits_cancels_and_resumes_all_end_with_balanced_ledgers(tmp_pa
     rng = random.Random(seed)
 
     async def body(run):
-        run.ledger.generate(8)
+        run.count_generated(8)
         await asyncio.sleep(rng.uniform(0, 0.01))
-        run.ledger.train(8)
-        run.step = run.spec.grpo.max_num_steps
+        run.record_step(run.spec.max_num_steps, 0, {"batch/trajectories_trained": 8.0})
 
     async def main():
         m = RunManager(tmp_path, body, RefuseByName(None), preflight_timeout_s=5)

@@ -71,10 +71,10 @@ def _left_running(runs_dir, run_id: str, state: str = "running", **spec) -> Run:
     (run_dir / "spec.yaml").write_text(spec_to_yaml(RunSpec.model_validate(spec)))
     run = Run(run_id, RunSpec.model_validate(spec), run_dir)
     run.set_state(pb.RUN_STATE_RUNNING)
-    run.ledger.generate(40)
-    run.ledger.train(8)
-    run.emit(pb.EVENT_KIND_STEP, "step 1/3", {"reward/mean": 0.5, "batch/trajectories_trained": 8.0}, step=1)
-    run.state = {"running": pb.RUN_STATE_RUNNING, "cancelling": pb.RUN_STATE_CANCELLING}[state]
+    run.count_generated(40)
+    run.record_step(1, 1, {"reward/mean": 0.5, "batch/trajectories_trained": 8.0})
+    if state == "cancelling":
+        run.set_state(pb.RUN_STATE_CANCELLING)
     run.save()
     return run
 
@@ -113,11 +113,8 @@ def test_a_reloaded_run_counts_what_its_events_announced_after_run_json_was_save
     """A coordinator killed between an event and the next save of run.json (it saves once per step):
     the reloaded ledger and step are those the event log announced, so a rewind undoes the right counts."""
     run = _left_running(tmp_path, "r4")
-    run.ledger.drop("zero_advantage", 8)
-    run.emit(pb.EVENT_KIND_DROPPED, "dropped 2 groups", {"dropped/zero_advantage": 8.0})
-    run.ledger.train(16)
-    run.step = 2
-    run.emit(pb.EVENT_KIND_STEP, "step 2/3", {"batch/trajectories_trained": 16.0})
+    run.drop("zero_advantage", 8, "dropped 2 groups")
+    run.record_step(2, 2, {"batch/trajectories_trained": 16.0})
     reloaded = Run.from_disk(tmp_path / "r4")
     assert reloaded.ledger.to_dict() == run.ledger.to_dict() == {
         "generated": 40, "scored": 40, "trained": 24, "dropped": {"zero_advantage": 8}}
@@ -176,7 +173,7 @@ def test_runs_queue_one_at_a_time_and_cancel_goes_through_cancelling(tmp_path):
 
     async def body(run: Run) -> None:
         started.append(run.run_id)
-        run.ledger.generate(16)
+        run.count_generated(16)
         await asyncio.sleep(3600)
 
     async def scenario() -> None:

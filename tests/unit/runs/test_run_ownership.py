@@ -27,7 +27,7 @@ ROOT = Principal("root", Role.ADMIN)
 
 
 class ConfinedModels(Admission):
-    """Confines `policy.model_name` like GrpoAdmission does (models or the caller's own runs); preflights
+    """Confines `policy.model_name` like RunAdmission does (models or the caller's own runs); preflights
     wait until `go` is set."""
 
     def __init__(self, runs_dir, models_dir):
@@ -53,7 +53,7 @@ class Held:
 
     async def __call__(self, run):
         await self.release.wait()
-        run.step = run.spec.grpo.max_num_steps
+        run.record_step(run.spec.max_num_steps, 0, {"batch/trajectories_trained": 0.0})
 
 
 def manager(tmp_path, body=None, quotas: dict | None = None) -> RunManager:

@@ -1,0 +1,48 @@
+"""Groups of trajectories -> what the advantage estimator and the learner take."""
+
+from __future__ import annotations
+
+import torch
+
+from rlserve.algorithms.interfaces import AdvantageInputs
+from rlserve.training.batch import TrainBatch
+from rlserve.trajectories.trajectory import Group
+
+
+def advantage_inputs(groups: list[Group], rewards: torch.Tensor, with_reference: bool) -> AdvantageInputs:
+    """The estimator's inputs: rewards [G, n] and per-token tensors padded to the longest trajectory."""
+    width = max(len(t.tokens) for g in groups for t in g.trajectories)
+    shape = (len(groups), groups[0].size, width)
+    mask, gen = torch.zeros(shape, dtype=torch.bool), torch.zeros(shape)
+    ref = torch.zeros(shape) if with_reference else None
+    for i, g in enumerate(groups):
+        for j, t in enumerate(g.trajectories):
+            mask[i, j, :len(t.tokens)] = True
+            gen[i, j, :len(t.tokens)] = torch.tensor(t.logprobs)
+            if ref is not None:
+                ref[i, j, :len(t.tokens)] = torch.tensor(t.ref_logprobs)
+    return AdvantageInputs(rewards, mask, gen, ref)
+
+
+def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool) -> TrainBatch:
+    """One sequence per trajectory: its prompt and tokens exactly as generated (an episode's observations
+    between turns included, which its loss mask leaves out of the loss); `advantages` [G, n], or [G, n, T]
+    from a token-level estimator."""
+    seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps, masks = [], [], [], [], [], [], []
+    per_token = advantages.dim() == 3
+    for g, adv in zip(groups, advantages.tolist()):
+        for j, t in enumerate(g.trajectories):
+            seqs.append(g.prompt_ids + t.tokens)
+            prompt_lens.append(len(g.prompt_ids))
+            if per_token:
+                token_advs.append(adv[j][:len(t.tokens)])
+            else:
+                advs.append(adv[j])
+            gen_lps.append(t.logprobs)
+            masks.append(t.mask)
+            if with_reference:
+                ref_lps.append(t.ref_logprobs)
+    return TrainBatch.from_sequences(seqs, prompt_lens, None if per_token else advs, gen_lps,
+                                     ref_lps if with_reference else None,
+                                     token_advantages=token_advs if per_token else None,
+                                     loss_mask=None if all(all(m) for m in masks) else masks)
