@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlserve.config import RunSpec, parse_spec
 from rlserve.learner.in_process_group import InProcessWorkerGroup
-from rlserve.learner.interfaces import LearnerBackend
-from rlserve.learner.publishing import Published, Publishing
+from rlserve.learner.publishing import Publishing
 from rlserve.learner.sessions import SessionTable
 from rlserve.learner.worker_group import WorkerLayout
 from rlserve.learner.worker_host import WorkerHost
-from rlserve.models import resolve_model
 from rlserve.rpc import RpcError
 from rlserve.training.batch import TrainBatch
 from tests.support.batches import random_grpo_sequences
@@ -41,51 +37,13 @@ def batch(seed: int) -> TrainBatch:
     return TrainBatch.from_sequences(*(column[:4] for column in random_grpo_sequences(seed)))
 
 
-@dataclass
-class _KeptPublisher:
-    backend: LearnerBackend
-
-    def publish(self, run_id: str, dtype: torch.dtype | None, in_flight: bool, direct: bool,
-                shared_base: bool) -> Published:
-        tensors = dict(self.backend.export_weights(dtype))
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
-        return Published(self.backend.version, 1, len(tensors), size, size, 0.0, 0.0, 0.0, 0, 0)
-
-
-class KeptPublishing(Publishing):
-    """Publishes nowhere; keeps which runs' adapters were dropped from the store."""
-
-    def __init__(self) -> None:
-        self.dropped: list[tuple[str, str]] = []
-
-    def publisher(self, backend: LearnerBackend, store_name: str, bucket_bytes: int,
-                  timeout_s: float) -> _KeptPublisher:
-        return _KeptPublisher(backend)
-
-    def drop_adapter(self, store_name: str, run_id: str) -> None:
-        self.dropped.append((store_name, run_id))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    """The in-process groups' torch.distributed group, gone after this module."""
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def model() -> Path:
-    return resolve_model("preset:tiny")
-
-
 def run(coro):
     return asyncio.run(coro)
 
 
-async def shared_table(model: Path, *run_ids: str, publishing: Publishing | None = None) -> SessionTable:
+async def shared_table(model: Path, publishing: Publishing, *run_ids: str) -> SessionTable:
     """A table with `run_ids` configured on the shared base (one group)."""
-    table = SessionTable(InProcessWorkerGroup.starter(publishing or KeptPublishing()))
+    table = SessionTable(InProcessWorkerGroup.starter(publishing))
     for run_id in run_ids:
         await table.configure(run_id, spec(), model, None, shared_base=True)
     return table
@@ -108,9 +66,9 @@ async def step(table: SessionTable, run_id: str, seed: int, expected: int | None
     return (await table.train_step(run_id, batch(seed), "grpo", None, expected)).version
 
 
-def test_a_worker_dying_mid_step_heals_the_shared_group_and_every_run_goes_on_from_its_snapshot(model):
+def test_a_worker_dying_mid_step_heals_the_shared_group_and_every_run_goes_on_from_its_snapshot(model, publishing):
     async def main():
-        table = await shared_table(model, "a", "b")
+        table = await shared_table(model, publishing, "a", "b")
         group = workers(table, "a")
         assert workers(table, "b") is group and len(table.groups) == 1
         assert [await step(table, "a", 0), await step(table, "a", 1), await step(table, "b", 2)] == [1, 2, 1]
@@ -129,9 +87,9 @@ def test_a_worker_dying_mid_step_heals_the_shared_group_and_every_run_goes_on_fr
     run(main())
 
 
-def test_a_call_that_kills_the_workers_twice_loses_its_run_alone(model):
+def test_a_call_that_kills_the_workers_twice_loses_its_run_alone(model, publishing):
     async def main():
-        table = await shared_table(model, "a", "b")
+        table = await shared_table(model, publishing, "a", "b")
         group = workers(table, "a")
         await step(table, "a", 0)
         await step(table, "b", 1)
@@ -148,9 +106,9 @@ def test_a_call_that_kills_the_workers_twice_loses_its_run_alone(model):
     run(main())
 
 
-def test_a_run_whose_last_snapshot_failed_loses_its_session_alone_when_the_group_heals(model):
+def test_a_run_whose_last_snapshot_failed_loses_its_session_alone_when_the_group_heals(model, publishing):
     async def main():
-        table = await shared_table(model, "a", "b")
+        table = await shared_table(model, publishing, "a", "b")
         await step(table, "b", 0)
         # a's snapshot folder becomes a file (its disk fails): a's step stands, its snapshot does not.
         folder = table.sessions["a"].snapshots.folders[0].parent
@@ -167,9 +125,9 @@ def test_a_run_whose_last_snapshot_failed_loses_its_session_alone_when_the_group
     run(main())
 
 
-def test_a_death_while_writing_a_snapshot_restores_the_other_folder(model):
+def test_a_death_while_writing_a_snapshot_restores_the_other_folder(model, publishing):
     async def main():
-        table = await shared_table(model, "a")
+        table = await shared_table(model, publishing, "a")
         snapshots = table.sessions["a"].snapshots
         await step(table, "a", 0)
         assert snapshots.whole == snapshots.folders[0]
@@ -184,11 +142,11 @@ def test_a_death_while_writing_a_snapshot_restores_the_other_folder(model):
     run(main())
 
 
-def test_a_snapshot_restores_a_run_on_other_workers_exactly(model, tmp_path):
+def test_a_snapshot_restores_a_run_on_other_workers_exactly(model, publishing, tmp_path):
     """Snapshot -> load on another group's worker -> the same adapters and version, and the next step gives
     the same loss on both."""
     async def main():
-        groups = [InProcessWorkerGroup(WorkerLayout.of(spec()), KeptPublishing()) for _ in range(2)]
+        groups = [InProcessWorkerGroup(WorkerLayout.of(spec()), publishing) for _ in range(2)]
         for group in groups:
             await group.call_all(WorkerHost.configure, "a", spec(), model, None, False)
         for seed in range(2):
@@ -203,10 +161,9 @@ def test_a_snapshot_restores_a_run_on_other_workers_exactly(model, tmp_path):
     run(main())
 
 
-def test_release_ends_a_runs_backend_and_the_last_run_ends_its_group(model):
+def test_release_ends_a_runs_backend_and_the_last_run_ends_its_group(model, publishing):
     async def main():
-        publishing = KeptPublishing()
-        table = await shared_table(model, "a", "b", publishing=publishing)
+        table = await shared_table(model, publishing, "a", "b")
         group = workers(table, "a")
         await step(table, "a", 0)
         published = await table.export("a", "store", False, False, 1.0, shared_base=True)
@@ -224,9 +181,9 @@ def test_release_ends_a_runs_backend_and_the_last_run_ends_its_group(model):
     run(main())
 
 
-def test_a_run_that_trains_alone_ends_stale_sessions_and_a_death_in_its_own_group_ends_it(model):
+def test_a_run_that_trains_alone_ends_stale_sessions_and_a_death_in_its_own_group_ends_it(model, publishing):
     async def main():
-        table = await shared_table(model, "a", "b")
+        table = await shared_table(model, publishing, "a", "b")
         shared_group = workers(table, "a")
         await table.configure("full", spec(lora=False), model, None, shared_base=False)
         assert sorted(table.sessions) == ["full"] and shared_group.host is None
