@@ -50,6 +50,8 @@ _RemoteWorker = ray.remote(LearnerWorker)
 
 
 class RayWorkerGroup(WorkerGroup):
+    """`LearnerWorker` actors, one per bundle of a PACK placement group (a restart starts a new one)."""
+
     def __init__(self, layout: WorkerLayout, placement_timeout_s: float):
         self.layout, self.placement_timeout_s = layout, placement_timeout_s
         self.pg: PlacementGroup | None = None

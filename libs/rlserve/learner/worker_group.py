@@ -58,6 +58,8 @@ class WorkerLayout:
 
 
 class WorkerGroup(ABC):
+    """One `WorkerHost` per rank of `layout`; the session table is its only caller (one call at a time)."""
+
     layout: WorkerLayout
 
     @abstractmethod

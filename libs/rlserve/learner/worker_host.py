@@ -36,6 +36,8 @@ class _RunOnWorker:
 
 
 class WorkerHost:
+    """A rank's runs, each a backend; every method is called on every rank of the group in one order."""
+
     def __init__(self, rank: int, device: torch.device, publishing: Publishing):
         self.rank, self.device, self.publishing = rank, device, publishing
         self.runs: dict[str, _RunOnWorker] = {}

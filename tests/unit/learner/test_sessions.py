@@ -17,7 +17,7 @@ from rlserve.config import RunSpec, parse_spec
 from rlserve.learner.in_process_group import InProcessWorkerGroup
 from rlserve.learner.publishing import Publishing
 from rlserve.learner.sessions import SessionTable
-from rlserve.learner.worker_group import WorkerLayout
+from rlserve.learner.worker_group import NoRoom, WorkerLayout
 from rlserve.learner.worker_host import WorkerHost
 from rlserve.rpc import RpcError
 from rlserve.training.batch import TrainBatch
@@ -196,5 +196,39 @@ def test_a_run_that_trains_alone_ends_stale_sessions_and_a_death_in_its_own_grou
         with pytest.raises(RpcError) as err:
             await table.configure("lora", spec(lora=False), model, None, shared_base=True)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.message.startswith("shared_base:")
+
+    run(main())
+
+
+class _NoRoomToRestart(InProcessWorkerGroup):
+    async def restart(self) -> None:
+        raise NoRoom("no room for 1 learner workers of 0.5 CPU / 0.0 GPU within 0s")
+
+
+def test_a_shared_group_that_cannot_heal_ends_with_every_session_in_it(model, publishing):
+    async def main():
+        async def start(layout: WorkerLayout) -> InProcessWorkerGroup:
+            return _NoRoomToRestart(layout, publishing)
+
+        table = SessionTable(start)
+        for run_id in ("a", "b"):
+            await table.configure(run_id, spec(), model, None, shared_base=True)
+        workers(table, "a").kill()
+        with pytest.raises(RpcError) as err:
+            await step(table, "a", 0)
+        assert err.value.code == grpc.StatusCode.ABORTED and "sessions of its group (a, b) are gone" in err.value.message
+        assert table.sessions == {} and table.groups == []
+
+    run(main())
+
+
+def test_no_room_for_a_runs_workers_is_resource_exhausted(model):
+    async def main():
+        async def start(layout: WorkerLayout) -> InProcessWorkerGroup:
+            raise NoRoom(f"no room for {layout.num_workers} learner workers")
+
+        with pytest.raises(RpcError) as err:
+            await SessionTable(start).configure("a", spec(), model, None, shared_base=False)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "no room for 1 learner workers" in err.value.message
 
     run(main())
