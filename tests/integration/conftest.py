@@ -25,6 +25,9 @@ import pytest
 import yaml
 
 HERE = Path(__file__).parent
+# Where the example plug-in package lies (tests/plugins, a distribution by its dist-info): every process
+# of a test cluster imports from there, as if it were installed on every node.
+PLUGINS_PATH = HERE.parent / "plugins"
 # Reward plug-ins the test clusters allow-list, by name: (file in reward_plugins/, attribute).
 PLUGINS = {"flaky": ("flaky.py", "reward"), "outage": ("outage.py", "Outage"), "broken": ("broken.py", "reward")}
 
@@ -101,6 +104,14 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+def install_plugins() -> None:
+    """The example plug-in package on the import path of the Ray processes started from here (they inherit
+    this environment)."""
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(PLUGINS_PATH) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(PLUGINS_PATH), *filter(None, paths)])
+
+
 @contextmanager
 def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     """Bring up the cluster of `cluster_yaml` with its runs under `root`; tear it down afterwards."""
@@ -125,6 +136,7 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     cfg, runs_dir = load_cluster_file(cluster_file)
     cluster = Cluster(cfg, runs_dir)
     down(cluster)  # a leftover from an interrupted session
+    install_plugins()
     up(cluster)
     try:
         yield TestCluster(cluster, cluster.grpc_endpoint, runs_dir, cluster_file, root / "models", root / "data",

@@ -183,7 +183,8 @@ class ClusterFile(BaseModel):
     reward: RewardPolicyCfg = RewardPolicyCfg()
     # What the cluster loads beyond rlserve's built-ins (rlserve.catalog.PluginsCfg): the packages whose
     # entry points add losses, advantage estimators, environments, reward functions, tasks and rollout
-    # engines, and entries by import path. Every service's processes get it (RLSERVE_PLUGINS); none: none.
+    # engines, and entries by import path. Every service's processes get it (RLSERVE_PLUGINS); empty: the
+    # built-ins only.
     plugins: PluginsCfg = PluginsCfg()
     services: ServicesCfg = ServicesCfg()
     # The file this was read from (`load_cluster_file`): the coordinator re-reads its quotas there.
