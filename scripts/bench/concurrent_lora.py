@@ -59,13 +59,14 @@ def cluster_file(root: Path, rollout_model: str | None) -> Path:
 
     data = default_cluster_data("vllm")  # vLLM batches the runs' adapters together
     data.update({"ray_port": 6784, "grpc_port": 9304, "runs_dir": str(root / "runs"),
-                 "model_dirs": [str(root / "models")], "data_dirs": [str(root / "data")], "max_concurrent_runs": 2})
+                 "model_dirs": [str(root / "models")], "data_dirs": [str(root / "data")]})
+    data["tenancy"]["cluster"]["max_training_runs"] = 2
     if rollout_model is not None:
         rollout = data["services"]["rollout"]
         rollout["args"].update({"model": rollout_model, "enable_lora": True, "max_loras": 2, "max_lora_rank": 16})
         data["services"]["reference"]["args"]["model"] = rollout_model
         data.setdefault("reward", {})["allowed_plugins"] = [str(root / "plugins" / "broken.py:reward")]
-        data["quotas"]["default"]["max_priority"] = 2.0  # the priority pair
+        data["tenancy"]["default_user"]["max_priority"] = 2.0  # the priority pair
     path = root / ("cluster_lora.yaml" if rollout_model else "cluster.yaml")
     path.write_text(yaml.safe_dump(data))
     return path

@@ -2,7 +2,7 @@
 
 The gateway's own server (`rlserve.gateway.server.start`, authentication off, nothing forwarded) in this
 process, on its event loop; a client in another process sends `--calls` SubmitRuns of `--mb` MB each, one
-at a time. Side by side: without internal RPCs (gRPC's receive limit is `limits.max_request_kb`, so the
+at a time. Side by side: without internal RPCs (gRPC's receive limit is `tenancy.callers.max_request_kb`, so the
 transport refuses from the length prefix) and with them (the limit is 64 MiB: the request is read in full
 and the limiter refuses it). Reported: the gateway process's CPU per call, and the client's seconds per call.
 
@@ -47,8 +47,8 @@ def cpu_s() -> float:
 
 async def measure(expose_internal: bool, calls: int, mb: int) -> dict:
     from rlserve.gateway import server
-    from rlserve.gateway.limits import CallerLimits
     from rlserve.gateway.run_table import RunTable
+    from rlserve.tenancy.policy import CallerLimits
 
     async def forward(method, request, caller):
         raise AssertionError("an oversized request was forwarded")

@@ -10,29 +10,32 @@ through `handles.ServeServices`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
-from rlserve.cluster.config import MAX_CONCURRENT_RUNS
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import place_from_env
+from rlserve.logs import setup_logging
 from rlserve.loop.admission import RunAdmission
 from rlserve.loop.inputs import LoopSettings
 from rlserve.loop.recovery import run_to_end
 from rlserve.loop.retry import RetryPolicy
 from rlserve.loop.services import RunServices
-from rlserve.logs import setup_logging
 from rlserve.rpc import grpc_method
 from rlserve.runs.feed import run_feed
 from rlserve.runs.manager import RunManager
-from rlserve.runs.quotas import Quotas, QuotasCfg
 from rlserve.runs.record import Run
 from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import PathsArgs
 from rlserve.security.plugins import PluginPolicy
 from rlserve.security.principal import SYSTEM, Principal
+from rlserve.tenancy.legacy import COORDINATOR_ARGS, log_deprecated, migrate_args
+from rlserve.tenancy.live import LiveTenancy
+from rlserve.tenancy.policy import TenancyPolicy
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.handles import ServeServices
@@ -40,6 +43,7 @@ from services.coordinator.handles import ServeServices
 # A run feed ends after this long and the gateway opens the next (`rlserve.runs.feed`).
 RUN_FEED_MAX_S = 60.0
 APPS = {"rollout": "rollout", "reward": "reward", "reference": "reference", "learner": "learner"}
+log = logging.getLogger("rlserve.coordinator")
 
 
 class CoordinatorArgs(BaseModel):
@@ -65,20 +69,22 @@ class CoordinatorArgs(BaseModel):
     cancel_grace_s: float = Field(60.0, gt=0, le=3600)
     # Largest JSONL data file a spec may name.
     max_data_file_mb: int = Field(512, ge=1)
-    # Runs waiting to start; a SubmitRun beyond it gets RESOURCE_EXHAUSTED.
-    max_queued_runs: int = Field(64, ge=1, le=100_000)
-    # LoRA runs on the deployed base that train at once (the cluster file's max_concurrent_runs).
-    max_concurrent_runs: int = Field(1, ge=1, le=MAX_CONCURRENT_RUNS)
     # A WatchRun stream ends after this long (clients continue from the next event); none is held for good.
     watch_max_s: float = Field(600.0, gt=0)
-    # Per-user quotas (the cluster file's `quotas` when it was deployed), and the cluster file, whose
-    # `quotas` section is re-read when it changes (None: the deployed quotas stay).
-    quotas: QuotasCfg = QuotasCfg()
+    # The limits (the cluster file's `tenancy` when it was deployed), and the cluster file, whose `tenancy`
+    # section is re-read when it changes (None: the deployed limits stay).
+    tenancy: TenancyPolicy = TenancyPolicy()
     cluster_file: str | None = None
+    # Old keys of the limits these args were given (max_queued_runs, max_concurrent_runs, quotas,
+    # spec_reading_share), each with its `tenancy` key: read as that key, and logged at start.
+    deprecated_keys: dict[str, str] = {}
     # How often the gateway's copy of the runs is brought up to date (a run's own progress shows within it).
     run_feed_interval_s: float = Field(0.1, gt=0, le=10)
-    # Each user's share of the spec reader (`rlserve.runs.spec_reader`): seconds of reading a second.
-    spec_reading_share: float = Field(0.1, gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tenancy_keys(cls, data: Any) -> Any:
+        return migrate_args(data, COORDINATOR_ARGS)
 
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
@@ -95,11 +101,11 @@ class Coordinator:
         plugins = PluginPolicy(self.args.allowed_plugins, self.args.allowed_models)
         admission = RunAdmission(self.args.paths.policy(), plugins,
                                   self.args.allowed_endpoints, self.args.max_data_file_mb, self._services)
-        quotas = Quotas(self.args.quotas, Path(self.args.cluster_file) if self.args.cluster_file else None)
+        log_deprecated(log, "the coordinator's args", self.args.deprecated_keys)
+        tenancy = LiveTenancy(self.args.tenancy, Path(self.args.cluster_file) if self.args.cluster_file else None)
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
-                                  self.args.preflight_timeout_s, self.args.resume_on_restart,
-                                  self.args.max_queued_runs, quotas, self.args.max_concurrent_runs,
-                                  SpecReader(self.args.spec_reading_share), self.args.cancel_grace_s)
+                                  self.args.preflight_timeout_s, self.args.resume_on_restart, tenancy,
+                                  SpecReader(tenancy.policy.callers), self.args.cancel_grace_s)
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
                   ) -> RunServices:

@@ -14,22 +14,24 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import Message
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import place_from_env
 from rlserve.gateway import server
-from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.methods import RpcMethod
 from rlserve.gateway.run_table import RunTable
 from rlserve.logs import event, setup_logging
 from rlserve.rpc import clean
 from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
+from rlserve.tenancy.legacy import GATEWAY_ARGS, log_deprecated, migrate_args
+from rlserve.tenancy.policy import TenancyPolicy
 
 log = logging.getLogger("rlserve.gateway")
 
@@ -62,11 +64,18 @@ class GatewayArgs(BaseModel):
     expose_internal: bool = False
     apps: dict[str, str] = {}
     max_message_mb: int = Field(64, ge=1, le=1024)
-    # Per-caller limits (the cluster file's `limits`).
-    limits: CallerLimits = CallerLimits()
+    # The cluster file's `tenancy`: the gateway holds each caller to its `callers` limits.
+    tenancy: TenancyPolicy = TenancyPolicy()
+    # Old keys these args were given (`limits`), each with its `tenancy` key: read as that key, logged at start.
+    deprecated_keys: dict[str, str] = {}
     read_cache_ms: int = Field(0, ge=0, le=10_000)
     # The coordinator's `watch_max_s`: a WatchRun stream served from the gateway's copy ends after it too.
     watch_max_s: float = Field(600.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tenancy_keys(cls, data: Any) -> Any:
+        return migrate_args(data, GATEWAY_ARGS)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.05}, max_ongoing_requests=4)
@@ -75,6 +84,7 @@ class Gateway:
         setup_logging()
         place_from_env()
         self.args = GatewayArgs.model_validate(args or {})
+        log_deprecated(log, "the gateway's args", self.args.deprecated_keys)
         auth, tls = self.args.auth, self.args.tls
         tokens = None
         if auth is None:
@@ -89,7 +99,7 @@ class Gateway:
         self.server = await server.start(
             server.GatewayConfig(host=self.args.host, port=self.args.port, tokens=tokens,
                                  expose_internal=self.args.expose_internal, apps=self.args.apps,
-                                 limits=self.args.limits,
+                                 limits=self.args.tenancy.callers,
                                  cert_file=Path(tls.cert_file) if tls else None,
                                  key_file=Path(tls.key_file) if tls else None,
                                  max_message_mb=self.args.max_message_mb, read_cache_ms=self.args.read_cache_ms,

@@ -227,7 +227,7 @@ def test_oversized_specs_are_invalid_and_the_coordinator_keeps_answering(test_cl
 def test_a_request_over_the_gateways_size_limit_never_reaches_the_coordinator(test_cluster):
     with CoordinatorClient(test_cluster.endpoint) as client:
         err = status(lambda: client.submit(yaml.safe_dump({"name": "n" * (10 * 2**20)})))
-        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenancy.callers.max_request_kb" in err.details()
         client.list()
 
 

@@ -1,7 +1,7 @@
 """Several users on the shared cluster, through the real gateway and coordinator: each user's runs are
 theirs alone (another user's run id answers exactly like a missing one, on every run RPC and in every path
-of a spec), quotas from the cluster file (edited while the cluster runs) answer RESOURCE_EXHAUSTED just
-over their limits, a revoked user is refused within 2 s while their run goes on, and a restarted
+of a spec), quotas from the cluster file's `tenancy` section (edited while the cluster runs) answer
+RESOURCE_EXHAUSTED just over their limits, a revoked user is refused within 2 s while their run goes on, and a restarted
 coordinator knows every run's owner and the same quotas."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from tests.integration.runs_support import TERMINAL, events_until_end, spec, wai
 
 # The cluster file re-read by the coordinator at most once a second.
 RELOAD_S = 1.5
-QUOTAS = {"users": {"bob": {"max_queued_runs": 1, "max_samples_per_run": 3 * 8 * 4},
-                    "carol": {"max_concurrent_runs": 1}}}
+# Bob's quota in the `tenancy` section, carol's under the old key (still read, as its new key).
+USERS = {"bob": {"max_waiting_runs": 1, "max_samples_per_run": 3 * 8 * 4}}
+OLD_QUOTAS = {"users": {"carol": {"max_concurrent_runs": 1}}}
 # Alice's run: long enough to be running through the whole scenario; cancelled at its end.
 LONG = dict(grpo__max_num_steps=200, grpo__val_period=0, grpo__val_at_start=False, checkpointing__enabled=False,
             logger__plot_enabled=False)
@@ -55,7 +56,8 @@ def tenants(test_cluster):
     cluster_file = test_cluster.cluster_file
     original = cluster_file.read_text()
     data = yaml.safe_load(original)
-    data["quotas"] = QUOTAS
+    data.setdefault("tenancy", {})["users"] = USERS
+    data["quotas"] = OLD_QUOTAS
     cluster_file.write_text(yaml.safe_dump(data))  # no redeploy: the coordinator re-reads it
     t = Tenants(test_cluster)
     time.sleep(RELOAD_S)  # the gateway re-reads the users file, the coordinator the quotas
@@ -141,18 +143,18 @@ def test_users_see_only_their_runs_quotas_hold_and_a_revoked_user_is_refused_whi
     # Quotas (bob's and carol's entries, written into the cluster file while it ran), just under and over.
     over = rpc_error(lambda: bob.submit(spec(grpo__max_num_steps=4)))
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert over.details() == ("quota max_samples_per_run (quotas.users.bob.max_samples_per_run) is 96: spec_yaml: "
+    assert over.details() == ("quota max_samples_per_run (tenancy.users.bob.max_samples_per_run) is 96: spec_yaml: "
                               "grpo.max_num_steps x grpo.num_prompts_per_step x grpo.num_generations_per_prompt "
                               "= 4 x 8 x 4 = 128")
     queued = bob.submit(spec(grpo__max_num_steps=3))  # exactly the size allowed; it waits behind alice's run
     seen_by_bob.append(text(queued))
     over = rpc_error(lambda: bob.submit(spec(grpo__max_num_steps=1)))
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and over.details().startswith(
-        "quota max_queued_runs (quotas.users.bob.max_queued_runs) is 1: 1 of your runs are waiting to start")
+        "quota max_waiting_runs (tenancy.users.bob.max_waiting_runs) is 1: 1 of your runs are waiting to start")
     first = carol.submit(spec(grpo__max_num_steps=1))
     over = rpc_error(lambda: carol.submit(spec(grpo__max_num_steps=1)))
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and over.details().startswith(
-        "quota max_concurrent_runs (quotas.users.carol.max_concurrent_runs) is 1: 1 of your runs are queued or "
+        "quota max_unfinished_runs (tenancy.users.carol.max_unfinished_runs) is 1: 1 of your runs are queued or "
         "running")
     for client, run in ((bob, queued), (carol, first)):
         assert client.cancel(run.run_id).state == pb.RUN_STATE_CANCELLED

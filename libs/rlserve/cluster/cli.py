@@ -15,6 +15,9 @@ def _cluster(path: Path | None):
     from rlserve.cluster.lifecycle import Cluster
 
     cfg, runs_dir = load_cluster_file(path or default_cluster_file())
+    for old, new in cfg.deprecated_keys.items():
+        print(f"serve: WARNING: {cfg.source}: `{old}` is deprecated; use `{new}` (the value is read as that)",
+              file=sys.stderr, flush=True)
     cluster = Cluster(cfg, runs_dir)
     # Before anything imports Ray: it reads the loopback switch at import time.
     os.environ.update(cluster.env())
@@ -85,20 +88,22 @@ def cmd_quotas(args: argparse.Namespace) -> int:
     from rlserve.security.users import read_users
 
     cluster = _cluster(args.cluster)
+    policy = cluster.cfg.tenancy
     principals = [Principal(LEGACY_USER, Role.USER), Principal(LEGACY_ADMIN, Role.ADMIN)]
     principals += [u.principal for u in read_users(cluster.users_file)] if cluster.users_file else []
-    principals += [Principal(name, Role.USER) for name in cluster.cfg.quotas.users
-                   if name not in {p.name for p in principals}]
-    print(f"serve: the `quotas` section of {cluster.cfg.source} (the coordinator re-reads it within ~1 s of an "
-          f"edit)", file=sys.stderr)
-    print(f"{'name':<33} {'concurrent':>10} {'queued':>8} {'samples/run':>13} {'priority':>9}")
+    principals += [Principal(name, Role.USER) for name in policy.users if name not in {p.name for p in principals}]
+    print(f"serve: the `tenancy` section of {cluster.cfg.source} (the coordinator re-reads it within ~1 s of an "
+          f"edit); every user's runs together: at most {policy.cluster.max_training_runs} train at once "
+          f"(tenancy.cluster.max_training_runs), {policy.cluster.queue_capacity} wait to start "
+          f"(tenancy.cluster.queue_capacity)", file=sys.stderr)
+    print(f"{'name':<33} {'unfinished':>10} {'waiting':>8} {'samples/run':>13} {'priority':>9}")
     for p in principals:
-        limits = cluster.cfg.quotas.limits(p)
+        limits = policy.limits_of(p)
         if limits is None:
             print(f"{p.name:<33} not limited (admin)")
         else:
             q = limits.values
-            print(f"{p.name:<33} {q.max_concurrent_runs:>10} {q.max_queued_runs:>8} {q.max_samples_per_run:>13} "
+            print(f"{p.name:<33} {q.max_unfinished_runs:>10} {q.max_waiting_runs:>8} {q.max_samples_per_run:>13} "
                   f"{q.max_priority:>9g}")
     return 0
 
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin", action="store_true", help="add: an admin (every run, the internal services)")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_users)
-    p = sub.add_parser("quotas", help="each user's quotas (the cluster file's `quotas` section)")
+    p = sub.add_parser("quotas", help="each user's quotas (the cluster file's `tenancy` section)")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_quotas)
     p = sub.add_parser("swap", help="redeploy one service with new code (only: reward)")

@@ -11,15 +11,21 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from rlserve.catalog import PluginsCfg
 from rlserve.config.errors import SpecError, format_validation_error
-from rlserve.gateway.limits import CallerLimits
-from rlserve.runs.quotas import QuotasCfg
-
-# Runs training at once, at most (each holds a learner session and its rollout adapter).
-MAX_CONCURRENT_RUNS = 64
+from rlserve.tenancy.legacy import CLUSTER_FILE, LegacyKeyError, migrate
+from rlserve.tenancy.policy import TenancyPolicy
 
 
 class ServiceCfg(BaseModel):
@@ -159,9 +165,6 @@ class ClusterFile(BaseModel):
     tls: TlsCfg | None = None
     # Also serve Learner, Rollout, Reference and Reward on the public endpoint, to admin tokens only.
     expose_internal: bool = False
-    # What one caller (a user) may take of the endpoint: open streams, calls in flight, calls per
-    # second (a token bucket), request size (rlserve.gateway.limits); over a limit: RESOURCE_EXHAUSTED.
-    limits: CallerLimits = CallerLimits()
     # A user's identical GetRun / ListRuns calls within this long share one answer from the coordinator
     # (rlserve.gateway.read_cache: writes through the gateway are seen at once, a run's own progress within
     # this long); 0: only calls made while the same one is forwarded share it.
@@ -171,15 +174,10 @@ class ClusterFile(BaseModel):
     # none of training's: on 16 cores, 500 callers left a run's step at 1.04x quiet (BENCHMARKS.md, the soak
     # with --control-cores).
     gateway_cpu_cores: list[Annotated[int, Field(ge=0)]] = Field([], max_length=4096)
-    # Per-user quotas on runs (rlserve.runs.quotas: unfinished runs, queued runs, samples per run), a
-    # `default` and `users.NAME` entries; over one: RESOURCE_EXHAUSTED naming it. The coordinator re-reads
-    # this section when the file changes: no restart.
-    quotas: QuotasCfg = QuotasCfg()
-    # Runs that train at the same time: LoRA runs on the deployed base (no SFT warm start) share the
-    # rollout engines (each run's adapter beside the others', batched together by vLLM) and the
-    # learner's workers (one frozen base). A full-parameter run, or a LoRA run on its own base, trains
-    # alone: it waits for the runs before it, and the runs after it wait for it.
-    max_concurrent_runs: int = Field(4, ge=1, le=MAX_CONCURRENT_RUNS)
+    # Every limit on what one party takes of the cluster (rlserve.tenancy.policy): each caller's share of the
+    # endpoint, each user's quota on runs, the cluster's runs training and waiting; over one:
+    # RESOURCE_EXHAUSTED naming its key. The coordinator re-reads this section when the file changes.
+    tenancy: TenancyPolicy = TenancyPolicy()
     reward: RewardPolicyCfg = RewardPolicyCfg()
     # What the cluster loads beyond rlserve's built-ins (rlserve.catalog.PluginsCfg): the packages whose
     # entry points add losses, advantage estimators, environments, reward functions, tasks and rollout
@@ -187,12 +185,29 @@ class ClusterFile(BaseModel):
     # built-ins only.
     plugins: PluginsCfg = PluginsCfg()
     services: ServicesCfg = ServicesCfg()
-    # The file this was read from (`load_cluster_file`): the coordinator re-reads its quotas there.
+    # The file this was read from (`load_cluster_file`): the coordinator re-reads its `tenancy` there.
     _source: Path | None = PrivateAttr(None)
+    # Old keys of the tenancy limits this was given, each with its new key (`rlserve.tenancy.legacy`).
+    _deprecated_keys: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _old_tenancy_keys(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> ClusterFile:
+        moved: dict[str, str] = {}
+        if isinstance(data, dict):
+            data, moved = migrate(data, CLUSTER_FILE)
+        cfg = handler(data)
+        cfg._deprecated_keys = {**cfg._deprecated_keys, **moved}
+        return cfg
 
     @property
     def source(self) -> Path | None:
         return self._source
+
+    @property
+    def deprecated_keys(self) -> dict[str, str]:
+        """Old keys this file gives, each with the key that replaces it (`deploy/serve` warns of each)."""
+        return dict(self._deprecated_keys)
 
     @field_validator("nodes")
     @classmethod
@@ -259,10 +274,19 @@ def load_cluster_file(path: Path) -> tuple[ClusterFile, Path]:
     except yaml.YAMLError as err:
         raise SpecError([f"<root>: not valid YAML: {err}"]) from None
     except ValidationError as err:
-        raise SpecError(format_validation_error(err, ClusterFile)) from None
+        raise SpecError(format_validation_error(err, ClusterFile) + _moved_keys(data)) from None
     cfg = cfg.with_absolute_paths(path.parent.resolve())
     cfg._source = path.resolve()
     return cfg, Path(cfg.runs_dir)
+
+
+def _moved_keys(data: Any) -> list[str]:
+    """For a file that does not validate: its old keys and where they went, since errors name the new keys."""
+    try:
+        _, moved = migrate(data, CLUSTER_FILE) if isinstance(data, dict) else (data, {})
+    except LegacyKeyError:
+        return []
+    return [f"{old}: deprecated, read as {new}" for old, new in moved.items()]
 
 
 def default_cluster_file() -> Path:

@@ -58,7 +58,7 @@ def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
 def _gateway(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
     tokens = token_files(cfg, runs_dir)
     return {"host": cfg.host, "port": cfg.grpc_port, "expose_internal": cfg.expose_internal,
-            "limits": cfg.limits.model_dump(), "read_cache_ms": cfg.read_cache_ms,
+            "tenancy": cfg.tenancy.model_dump(exclude_none=True), "read_cache_ms": cfg.read_cache_ms,
             "auth": None if tokens is None else {"token_file": str(tokens[0]), "admin_token_file": str(tokens[1]),
                                                  "users_file": str(users_file(cfg, runs_dir))},
             "tls": None if cfg.tls is None else {"cert_file": cfg.tls.cert_file, "key_file": cfg.tls.key_file}}
@@ -74,10 +74,9 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         args["allowed_models"] = list(cfg.reward.allowed_models)
     if name == "coordinator":
         args["allowed_endpoints"] = list(cfg.reward.allowed_endpoints)
-        args["quotas"] = cfg.quotas.model_dump(exclude_none=True)
-        args["max_concurrent_runs"] = cfg.max_concurrent_runs
+        args["tenancy"] = cfg.tenancy.model_dump(exclude_none=True)
         args["generation_shares_cpu_cores"] = cfg.generation_shares_cpu_cores
-        # Re-read by the coordinator when it changes (its quotas); None for a config built in code.
+        # Re-read by the coordinator when it changes (its `tenancy`); None for a config built in code.
         args["cluster_file"] = str(cfg.source) if cfg.source else None
     if name == "gateway":
         args.update(_gateway(cfg, runs_dir))

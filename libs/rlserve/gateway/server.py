@@ -25,7 +25,6 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rlserve.gateway.limits import CallerLimits, Limiter, OverLimit
 from rlserve.gateway.methods import RpcMethod, all_methods
 from rlserve.gateway.read_cache import READ_ONLY, ReadCache
 from rlserve.gateway.run_events import NotHeld
@@ -35,6 +34,8 @@ from rlserve.rpc import clean, status_of
 from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal
 from rlserve.security.tokens import bearer_token
+from rlserve.tenancy.callers import Limiter
+from rlserve.tenancy.policy import CallerLimits, OverLimit
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.gateway")
@@ -73,7 +74,8 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED without a valid token; PERMISSION_DENIED for an internal RPC without an admin token;
-    every admitted call handled for its principal (`handlers`) within its caller's limits (`limits.py`)."""
+    every admitted call handled for its principal (`handlers`) within its caller's limits
+    (`rlserve.tenancy.callers`)."""
 
     def __init__(self, tokens: TokenStore | None, methods: dict[str, RpcMethod], limiter: Limiter,
                  handlers: Handlers):
@@ -121,7 +123,7 @@ def _limited(handler: grpc.RpcMethodHandler | None, limiter: Limiter, caller: st
             try:
                 key = admit(raw, context)
             except OverLimit as err:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+                await context.abort(err.code, err.message)
             try:
                 async for item in handler.unary_stream(raw, context):
                     yield item
@@ -133,7 +135,7 @@ def _limited(handler: grpc.RpcMethodHandler | None, limiter: Limiter, caller: st
         try:
             key = admit(raw, context)
         except OverLimit as err:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            await context.abort(err.code, err.message)
         try:
             return await handler.unary_unary(raw, context)
         finally:
@@ -234,7 +236,7 @@ async def start(cfg: GatewayConfig, forward: Forward, forward_stream: ForwardStr
     """Bind and start the endpoint on the running event loop; raises if the address cannot be bound.
     `table`: the copy of the coordinator's runs that the caller keeps fed (never live: every read forwarded)."""
     methods = served_methods(cfg)
-    # Without the internal RPCs no caller may send more than limits.max_request_kb, so gRPC's transport
+    # Without the internal RPCs no caller may send more than tenancy.callers.max_request_kb, so gRPC's transport
     # refuses a larger request from its length prefix, before reading it: a 60 MB request cost the gateway
     # 125 ms of CPU read in full and refused by the limiter, 16 ms refused this way
     # (scripts/bench/oversized_requests.py). With them, training batches come in and only the limiter

@@ -3,8 +3,8 @@
 Runs are queued and start in submission order. A run that trains a LoRA
 adapter on the deployed base (`RunSpec.shares_deployed_base`) shares the
 rollout engines (its adapter beside the others') and the learner's workers
-(one frozen base): up to `max_concurrent_runs` such runs train at once. Any
-other run (full-parameter, or LoRA on its own base) needs the policy engines
+(one frozen base): up to `tenancy.cluster.max_training_runs` such runs train at
+once. Any other run (full-parameter, or LoRA on its own base) needs the policy engines
 alone: it starts once the runs before it have ended, and the runs after it wait
 for it, so it is never starved. A run lives in memory
 while the coordinator is up and in its run directory on disk (run.json,
@@ -27,8 +27,9 @@ Another user's run answers exactly what a run that does not exist answers
 (NOT_FOUND, the same message), a new run's id starts with its owner's name
 (`alice.exp1`), so ALREADY_EXISTS only ever names the caller's own runs, and
 a spec may name only the caller's own run folders. Admins see every run and
-its owner. Per-user quotas (`quotas.py`) bound a user's unfinished runs, their
-queued runs and the size of a run.
+its owner. The tenancy policy (`rlserve.tenancy`, read live from the cluster
+file) bounds the queue, the runs that train at once, and per user their
+unfinished runs, their waiting runs, a run's size and its priority.
 
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
 A run that ends has a balanced ledger: what was in flight when it failed or
@@ -49,16 +50,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from rlserve.config import RunSpec, SpecError, spec_to_yaml
 from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
-from rlserve.runs.quotas import Quotas
 from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run
-from rlserve.runs.spec_reader import ReadingShareSpent, SpecReader
+from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import RunAccess
 from rlserve.security.principal import SYSTEM, Principal
+from rlserve.tenancy.live import LiveTenancy
+from rlserve.tenancy.policy import TenancyPolicy
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
@@ -125,18 +125,16 @@ def _not_found(run_id: str) -> RpcError:
 
 class RunManager:
     def __init__(self, runs_dir: Path, body: RunBody, admission: Admission, preflight_timeout_s: float,
-                 resume_on_restart: bool = True, max_queued_runs: int = 64, quotas: Quotas | None = None,
-                 max_concurrent_runs: int = 1, specs: SpecReader | None = None, cancel_grace_s: float = 60.0):
+                 resume_on_restart: bool = True, tenancy: LiveTenancy | None = None,
+                 specs: SpecReader | None = None, cancel_grace_s: float = 60.0):
         self.runs_dir = runs_dir
         self.cancel_grace_s = cancel_grace_s
         self.body = body
         self.admission = admission
         self.preflight_timeout_s = preflight_timeout_s
         self.resume_on_restart = resume_on_restart
-        self.max_queued_runs = max_queued_runs
-        self.max_concurrent_runs = max_concurrent_runs
-        # None: no per-user quotas (the coordinator always passes the cluster file's).
-        self.quotas = quotas
+        # None: the default policy (the coordinator passes the cluster file's).
+        self.tenancy = tenancy or LiveTenancy(TenancyPolicy())
         self._slots: dict[str, _Slot] = {}
         self.queue: list[str] = []
         self.closing = False
@@ -191,8 +189,6 @@ class RunManager:
             return await self.specs.read(spec_yaml, caller.name)
         except SpecError as err:
             raise invalid_argument(f"spec_yaml: {err.first_path}", "; ".join(err.problems)) from None
-        except ReadingShareSpent as err:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)) from None
 
     def _visible(self, run_id: str, caller: Principal) -> _Slot | None:
         slot = self._slots.get(run_id)
@@ -257,9 +253,7 @@ class RunManager:
     async def submit(self, spec_yaml: str, run_id: str, resume: bool, caller: Principal) -> Run:
         if resume and not run_id:
             raise invalid_argument("run_id", "required with resume")
-        if len(self.queue) >= self.max_queued_runs:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{len(self.queue)} runs are queued already, the "
-                           f"most this coordinator holds (max_queued_runs); submit when some have started")
+        self.tenancy.current().check_queue(len(self.queue))
         if run_id:
             check_run_id(run_id)
         if resume:
@@ -269,8 +263,7 @@ class RunManager:
             if run_id in self._slots:  # taken by a call of the same caller while this one was checked
                 raise already_exists(f"run {run_id!r} exists")
         # From here to the queue without an await: two calls at once cannot both take a user's last place.
-        if self.quotas is not None:
-            self.quotas.check_submit(caller, spec, *self._counts(caller))
+        self.tenancy.current().check_submit(caller, spec, *self._counts(caller))
         run_dir = self.runs_dir / run_id
         earlier = self._slots.get(run_id) if resume else None
         if earlier is not None:
@@ -389,7 +382,7 @@ class RunManager:
         if not active:
             return True
         shared = head.run.spec.shares_deployed_base and all(s.run.spec.shares_deployed_base for s in active)
-        return shared and len(active) < self.max_concurrent_runs
+        return shared and self.tenancy.current().may_train_beside(len(active))
 
     def _schedule(self) -> None:
         """Start queued runs in order while they may run beside the active ones; each waits until its

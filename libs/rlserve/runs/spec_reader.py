@@ -10,10 +10,10 @@ The reader runs at the lowest CPU priority (`READER_NICE`): what it reads at len
 one caller sends without pause, and at the coordinator's priority it preempted training (niced 10 by
 default), whose threads then wait on each other: on 2 cores such a caller still made a step 6x slower.
 
-Each caller also has a share of the reader: `share` seconds of reading a second, in bursts of up to
-`burst_s` (a token bucket in seconds of reading). A run spec reads in ~3 ms, so no one who submits runs
-meets it; a caller over it waits, and a spec that waited `max_wait_s` gets `ReadingShareSpent`
-(RESOURCE_EXHAUSTED). Refusing at once instead let the 2-core soak's abuser send 67 specs a second,
+Each caller also has a share of the reader (`tenancy.callers.spec_reading_share` seconds of reading a
+second, in bursts of up to `spec_reading_burst_s`: a token bucket in seconds of reading). A run spec reads in
+~3 ms, so no one who submits runs meets it; a caller over it waits, and a spec that waited
+`spec_reading_max_wait_s` is refused with `OverLimit` (RESOURCE_EXHAUSTED). Refusing at once instead let the 2-core soak's abuser send 67 specs a second,
 each refused but carried through the gateway: a step 4x slower, against 2.4x without the share.
 
 The reader is started on first use and again after it dies; a spec that kills it, or that it does not
@@ -37,6 +37,8 @@ from collections import OrderedDict, deque
 from rlserve.config import RunSpec, SpecError, load_spec
 from rlserve.logs import event
 from rlserve.rpc import clean
+from rlserve.tenancy.policy import CallerLimits
+from rlserve.tenancy.token_bucket import TokenBucket
 
 log = logging.getLogger("rlserve.coordinator")
 READ_TIMEOUT_S = 10.0
@@ -44,30 +46,25 @@ READER_NICE = 19
 _LENGTH = struct.Struct("!I")
 
 
-class ReadingShareSpent(Exception):
-    """A caller's spec waited too long for its share of the reader; the message says how much that is."""
-
-
 class SpecReader:
-    def __init__(self, share: float = 0.1, burst_s: float = 2.0, max_wait_s: float = 30.0) -> None:
-        self.share, self.burst_s, self.max_wait_s = share, burst_s, max_wait_s
+    def __init__(self, limits: CallerLimits | None = None) -> None:
+        """`limits`: each caller's share of the reader (None: the defaults)."""
+        self.limits = limits or CallerLimits()
         self._proc: asyncio.subprocess.Process | None = None
         # caller -> its specs waiting: (text, answer, when it came)
         self._waiting: OrderedDict[str, deque[tuple[str, asyncio.Future, float]]] = OrderedDict()
         self._serving: asyncio.Task | None = None
         self._arrived = asyncio.Event()  # a spec came while every waiting caller's share was spent
-        self._left: dict[str, tuple[float, float]] = {}  # caller -> (seconds of reading left, when)
+        self._shares: dict[str, TokenBucket] = {}  # caller -> its seconds of reading
 
-    def _seconds_left(self, caller: str, spent: float = 0.0) -> float:
-        left, when = self._left.get(caller, (self.burst_s, time.monotonic()))
-        now = time.monotonic()
-        left = min(self.burst_s, left + (now - when) * self.share) - spent
-        self._left[caller] = (left, now)
-        return left
+    def _share(self, caller: str) -> TokenBucket:
+        if caller not in self._shares:
+            self._shares[caller] = TokenBucket(self.limits.spec_reading_share, self.limits.spec_reading_burst_s)
+        return self._shares[caller]
 
     async def read(self, text: str, caller: str) -> RunSpec:
         """The spec `text` of `caller` (a principal's name); SpecError naming what is wrong with it,
-        ReadingShareSpent when it waited `max_wait_s` for the caller's share of the reader."""
+        OverLimit when it waited `spec_reading_max_wait_s` for the caller's share of the reader."""
         answer: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(caller, deque()).append((text, answer, time.monotonic()))
         self._arrived.set()
@@ -78,9 +75,9 @@ class SpecReader:
     async def _serve(self) -> None:
         """One spec of each waiting caller in turn, until none waits. A caller whose share is spent waits
         (its specs are read at its share's pace, not refused: a refusal would only bring the next spec
-        sooner, and its bytes through the gateway), and its specs that waited `max_wait_s` are refused."""
+        sooner, and its bytes through the gateway), and its specs that waited too long are refused."""
         while self._waiting:
-            caller = next((c for c in self._waiting if self._seconds_left(c) > 0), None)
+            caller = next((c for c in self._waiting if self._share(c).level() > 0), None)
             if caller is None:
                 self._refuse_overdue()
                 self._arrived.clear()
@@ -101,7 +98,7 @@ class SpecReader:
                 await self._stop()
                 event(log, "spec_reader.failed", logging.WARNING, caller=caller, error=clean(repr(err)))
                 result = SpecError(["<root>: the spec could not be read (the reader stopped on it)"])
-            self._seconds_left(caller, spent=time.monotonic() - began)
+            self._share(caller).take(time.monotonic() - began)
             if not answer.done():
                 (answer.set_exception if isinstance(result, SpecError) else answer.set_result)(result)
 
@@ -110,20 +107,17 @@ class SpecReader:
         waiting caller's share was just brought up to date): the serving loop sleeps that long, unless a
         spec comes, so another caller's spec is read at once and an idle loop costs nothing."""
         now = time.monotonic()
-        return max(0.001, min(min(-self._left[caller][0] / self.share, specs[0][2] + self.max_wait_s - now)
+        max_wait_s = self.limits.spec_reading_max_wait_s
+        return max(0.001, min(min(self._share(caller).seconds_until(0.0), specs[0][2] + max_wait_s - now)
                               for caller, specs in self._waiting.items()))
 
     def _refuse_overdue(self) -> None:
         now = time.monotonic()
         for caller, specs in list(self._waiting.items()):
-            while specs and now - specs[0][2] > self.max_wait_s:
+            while specs and now - specs[0][2] > self.limits.spec_reading_max_wait_s:
                 _, answer, _ = specs.popleft()
                 if not answer.done():
-                    answer.set_exception(ReadingShareSpent(
-                        f"your spec waited {self.max_wait_s:g} s for your share of the coordinator's spec reader "
-                        f"({self.share:g} s of reading a second, in bursts of {self.burst_s:g} s; a run spec takes "
-                        f"~3 ms): your specs before it took that long to read; the cluster file's "
-                        f"services.coordinator.args.spec_reading_share sets the share"))
+                    answer.set_exception(self.limits.spec_waited_too_long())
             if not specs:
                 del self._waiting[caller]
 

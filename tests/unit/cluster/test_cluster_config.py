@@ -48,25 +48,39 @@ def test_auth_none_tls_and_relative_paths(tmp_path):
     assert cfg.reward.allowed_plugins == [f"{tmp_path / 'plug.py'}:f", "pkg.mod:g"]
 
 
-def test_quotas_reach_the_coordinator_with_the_file_that_holds_them(tmp_path):
+def test_the_tenancy_section_reaches_the_coordinator_and_the_gateway_with_the_file_that_holds_it(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"quotas": {"default": {"max_queued_runs": 3}, "users": {"bob": {
-        "max_concurrent_runs": 1}}}}))
+    path.write_text(yaml.safe_dump({"tenancy": {"default_user": {"max_waiting_runs": 3}, "users": {"bob": {
+        "max_unfinished_runs": 1}}, "callers": {"max_streams": 4}, "cluster": {"max_training_runs": 2}}}))
     cfg, runs = load_cluster_file(path)
-    coordinator = next(a["args"] for a in serve_config(cfg, runs)["applications"] if a["name"] == "coordinator")
-    assert coordinator["quotas"] == {"default": {"max_concurrent_runs": 8, "max_queued_runs": 3,
-                                                 "max_samples_per_run": 100_000_000, "max_priority": 1.0},
-                                     "users": {"bob": {"max_concurrent_runs": 1}}}
-    assert coordinator["cluster_file"] == str(path)  # the coordinator re-reads its quotas there
-    path.write_text(yaml.safe_dump({"quotas": {"users": {"Not A Name": {}}}}))
-    with pytest.raises(SpecError, match="quotas.users"):
+    apps = {a["name"]: a["args"] for a in serve_config(cfg, runs)["applications"]}
+    expected = {"callers": {"max_streams": 4, "max_calls_in_flight": 32, "calls_per_s": 50.0, "call_burst": 100,
+                            "max_request_kb": 512, "spec_reading_share": 0.1, "spec_reading_burst_s": 2.0,
+                            "spec_reading_max_wait_s": 30.0},
+                "default_user": {"max_unfinished_runs": 8, "max_waiting_runs": 3, "max_samples_per_run": 100_000_000,
+                                 "max_priority": 1.0},
+                "users": {"bob": {"max_unfinished_runs": 1}}, "cluster": {"max_training_runs": 2, "queue_capacity": 64}}
+    assert apps["coordinator"]["tenancy"] == expected == apps["gateway"]["tenancy"]
+    assert apps["coordinator"]["cluster_file"] == str(path)  # the coordinator re-reads its `tenancy` there
+    path.write_text(yaml.safe_dump({"tenancy": {"users": {"Not A Name": {}}}}))
+    with pytest.raises(SpecError, match="tenancy.users"):
         load_cluster_file(path)
-    path.write_text(yaml.safe_dump({"quotas": {"users": {"bob": {"max_runs": 1}}}}))
+    path.write_text(yaml.safe_dump({"tenancy": {"users": {"bob": {"max_runs": 1}}}}))
     with pytest.raises(SpecError) as err:
         load_cluster_file(path)
-    assert err.value.problems[0].startswith("quotas.users.bob.max_runs: unknown key")
-    assert err.value.problems[0].endswith("(allowed here: max_concurrent_runs, max_priority, max_queued_runs, "
-                                             "max_samples_per_run)")
+    assert err.value.problems[0].startswith("tenancy.users.bob.max_runs: unknown key")
+    assert err.value.problems[0].endswith("(allowed here: max_priority, max_samples_per_run, max_unfinished_runs, "
+                                          "max_waiting_runs)")
+
+
+def test_the_default_cluster_file_gives_every_limit_its_default_and_no_old_key(tmp_path, monkeypatch):
+    from rlserve.tenancy.policy import TenancyPolicy
+
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = load_cluster_file(default_cluster_file())
+    assert cfg.tenancy == TenancyPolicy() and cfg.deprecated_keys == {}
+    written = yaml.safe_load(default_cluster_file().read_text())["tenancy"]
+    assert TenancyPolicy.model_validate(written).model_dump() == written  # every key written out
 
 
 @pytest.mark.parametrize("services, shared", [
@@ -140,7 +154,7 @@ def test_kuberay_manifest_args_are_valid_for_each_app():
         DeploymentArgs.model_validate(args.pop("deployment"))
         args_cls = next(v for k, v in vars(module).items() if k.endswith("Args") and k != "DeploymentArgs"
                         and getattr(v, "__module__", "") == module.__name__)
-        args_cls.model_validate(args)
+        assert getattr(args_cls.model_validate(args), "deprecated_keys", {}) == {}, app["name"]  # `tenancy` only
 
 
 def test_a_local_head_and_its_drivers_share_token_auth_with_the_clusters_own_token(tmp_path):

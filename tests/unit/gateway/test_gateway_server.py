@@ -20,7 +20,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlserve.gateway import server
-from rlserve.gateway.limits import CallerLimits
 from rlserve.gateway.run_table import RunTable
 from rlserve.rpc import not_found
 from rlserve.runs.feed import FeedBatch
@@ -29,6 +28,7 @@ from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
 from rlserve.security.tokens import new_token
 from rlserve.security.users import add_user, revoke_user
+from rlserve.tenancy.policy import CallerLimits
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import coordinator_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from tests.support.dist import free_port
@@ -220,7 +220,7 @@ def test_one_caller_cannot_hold_every_stream_or_call(gateway):
         time.sleep(0.01)
     err = _code(lambda: list(stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12), metadata=md,
                                             timeout=5)))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in err.details()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenancy.callers.max_streams" in err.details()
     assert stub.GetRun(pb.GetRunRequest(run_id="r"), metadata=md, timeout=5).run.run_id == "r"
     other = coordinator_pb2_grpc.CoordinatorStub(g.channel(g.admin)[0])
     events = list(other.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=g.channel(g.admin)[1], timeout=5))
@@ -230,7 +230,7 @@ def test_one_caller_cannot_hold_every_stream_or_call(gateway):
 
 
 def test_oversized_requests_and_floods_get_resource_exhausted_before_forwarding(gateway):
-    g = gateway(limits=CallerLimits(max_request_kb=256, rate=5, burst=5))
+    g = gateway(limits=CallerLimits(max_request_kb=256, calls_per_s=5, call_burst=5))
     ch, md = g.channel(g.user)
     stub = coordinator_pb2_grpc.CoordinatorStub(ch)
     # No internal RPCs on the endpoint: gRPC's transport refuses it from its length prefix, unread.
@@ -241,7 +241,7 @@ def test_oversized_requests_and_floods_get_resource_exhausted_before_forwarding(
     exposed = gateway(expose_internal=True, limits=CallerLimits(max_request_kb=256))
     err = _code(lambda: coordinator_pb2_grpc.CoordinatorStub(exposed.channel(exposed.user)[0]).SubmitRun(
         pb.SubmitRunRequest(spec_yaml="a" * (300 * 1024)), metadata=exposed.channel(exposed.user)[1]))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_request_kb" in err.details()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenancy.callers.max_request_kb" in err.details()
     assert "SubmitRun" not in exposed.calls
     codes = []
     for _ in range(10):
@@ -330,7 +330,7 @@ def test_limits_are_per_user_whatever_token_they_use(gateway):
         time.sleep(0.01)
     err = _code(lambda: list(stub.WatchRun(pb.WatchRunRequest(run_id="r", from_sequence=10**12),
                                             metadata=_md(second), timeout=5)))
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limits.max_streams" in err.details()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tenancy.callers.max_streams" in err.details()
     assert len(list(stub.WatchRun(pb.WatchRunRequest(run_id="r"), metadata=_md(alice), timeout=5))) == 3
     idle.cancel()
 

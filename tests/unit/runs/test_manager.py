@@ -14,6 +14,8 @@ from rlserve.rpc import RpcError, invalid_argument
 from rlserve.runs.manager import Admission, RunManager
 from rlserve.runs.record import TERMINAL
 from rlserve.security.principal import SYSTEM
+from rlserve.tenancy.live import LiveTenancy
+from rlserve.tenancy.policy import TenancyPolicy
 from rlserve.v1 import coordinator_pb2 as pb
 
 SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2}, "logger": {"tensorboard_enabled": False}})
@@ -216,12 +218,15 @@ def test_the_queue_is_bounded(tmp_path):
 
     async def main():
         admission = Slow()
-        m = RunManager(tmp_path, lambda run: asyncio.sleep(0), admission, preflight_timeout_s=30, max_queued_runs=2)
+        m = RunManager(tmp_path, lambda run: asyncio.sleep(0), admission, preflight_timeout_s=30,
+                       tenancy=LiveTenancy(TenancyPolicy.model_validate({"cluster": {"queue_capacity": 2}})))
         await m.submit(SPEC, "a", False, SYSTEM)
         await m.submit(SPEC, "b", False, SYSTEM)
         with pytest.raises(RpcError) as err:
             await m.submit(SPEC, "c", False, SYSTEM)
-        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_runs" in err.value.message
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.message == (
+            "2 runs are queued already, the most this cluster holds (tenancy.cluster.queue_capacity); submit when "
+            "some have started")
         admission.go.set()
         assert (await until_done(m, "b")).state == pb.RUN_STATE_SUCCEEDED
         await m.submit(SPEC, "c", False, SYSTEM)  # room again

@@ -1,6 +1,6 @@
 """The run manager with several users, without a cluster: runs belong to their submitters (also after a
 restart), another user's run answers exactly like a missing one, run ids are per user, a spec names
-only its user's run folders, and per-user quotas answer RESOURCE_EXHAUSTED naming the limit."""
+only its user's run folders, and per-user quotas (`tenancy`) answer RESOURCE_EXHAUSTED naming the limit."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import yaml
 
 from rlserve.rpc import RpcError
 from rlserve.runs.manager import Admission, RunManager
-from rlserve.runs.quotas import Quotas, QuotasCfg, samples_of
 from rlserve.runs.record import TERMINAL
 from rlserve.security.paths import PathPolicy
 from rlserve.security.principal import SYSTEM, Principal, Role
+from rlserve.tenancy.live import LiveTenancy
+from rlserve.tenancy.policy import TenancyPolicy, samples_of
 from rlserve.v1 import coordinator_pb2 as pb
 
 SPEC = yaml.safe_dump({"name": "unit", "grpo": {"max_num_steps": 2, "num_prompts_per_step": 4,
@@ -56,11 +57,11 @@ class Held:
         run.record_step(run.spec.max_num_steps, 0, {"batch/trajectories_trained": 0.0})
 
 
-def manager(tmp_path, body=None, quotas: dict | None = None) -> RunManager:
+def manager(tmp_path, body=None, tenancy: dict | None = None) -> RunManager:
     (tmp_path / "models").mkdir(exist_ok=True)
     runs = tmp_path / "runs"
     return RunManager(runs, body or Held(), ConfinedModels(runs, tmp_path / "models"), preflight_timeout_s=5,
-                      quotas=Quotas(QuotasCfg.model_validate(quotas or {}), None))
+                      tenancy=LiveTenancy(TenancyPolicy.model_validate(tenancy or {})))
 
 
 async def until(predicate, what: str):
@@ -174,12 +175,12 @@ def test_a_spec_names_only_its_own_users_run_folders(tmp_path):
 def test_quota_on_unfinished_runs_just_under_and_just_over(tmp_path):
     async def main():
         body = Held()
-        m = manager(tmp_path, body, {"default": {"max_concurrent_runs": 2, "max_queued_runs": 5}})
+        m = manager(tmp_path, body, {"default_user": {"max_unfinished_runs": 2, "max_waiting_runs": 5}})
         await m.submit(SPEC, "a", False, ALICE)
         await m.submit(SPEC, "b", False, ALICE)  # just under: 1 running or queued before it
         with refused(grpc.StatusCode.RESOURCE_EXHAUSTED) as err:
             await m.submit(SPEC, "c", False, ALICE)
-        assert err.message.startswith("quota max_concurrent_runs (quotas.default.max_concurrent_runs) is 2: "
+        assert err.message.startswith("quota max_unfinished_runs (tenancy.default_user.max_unfinished_runs) is 2: "
                                       "2 of your runs are queued or running")
         await m.submit(SPEC, "c", False, BOB)  # other users have their own
         await m.submit(SPEC, "c", False, ROOT)  # admins without an entry are not limited
@@ -193,19 +194,19 @@ def test_quota_on_unfinished_runs_just_under_and_just_over(tmp_path):
 
 def test_quota_on_queued_runs_just_under_and_just_over(tmp_path):
     async def main():
-        m = manager(tmp_path, Held(), {"default": {"max_queued_runs": 3},
-                                      "users": {"bob": {"max_queued_runs": 1}}})
+        m = manager(tmp_path, Held(), {"default_user": {"max_waiting_runs": 3},
+                                      "users": {"bob": {"max_waiting_runs": 1}}})
         m.admission.go.clear()  # preflights wait: every run stays queued
         await m.submit(SPEC, "1", False, BOB)
         with refused(grpc.StatusCode.RESOURCE_EXHAUSTED) as err:
             await m.submit(SPEC, "2", False, BOB)
-        assert err.message.startswith("quota max_queued_runs (quotas.users.bob.max_queued_runs) is 1: 1 of your "
+        assert err.message.startswith("quota max_waiting_runs (tenancy.users.bob.max_waiting_runs) is 1: 1 of your "
                                       "runs are waiting to start")
         for i in range(3):
             await m.submit(SPEC, str(i), False, ALICE)
         with refused(grpc.StatusCode.RESOURCE_EXHAUSTED) as err:
             await m.submit(SPEC, "3", False, ALICE)
-        assert "quotas.default.max_queued_runs" in err.message
+        assert "tenancy.default_user.max_waiting_runs" in err.message
     asyncio.run(main())
 
 
@@ -221,7 +222,7 @@ def test_quota_on_the_size_of_a_run_just_under_and_just_over(tmp_path):
         bigger = SPEC.replace("max_num_steps: 2", "max_num_steps: 3")
         with refused(grpc.StatusCode.RESOURCE_EXHAUSTED) as err:
             await m.submit(bigger, "big", False, ALICE)
-        assert err.message == (f"quota max_samples_per_run (quotas.users.alice.max_samples_per_run) is {size}: "
+        assert err.message == (f"quota max_samples_per_run (tenancy.users.alice.max_samples_per_run) is {size}: "
                                f"spec_yaml: grpo.max_num_steps x grpo.num_prompts_per_step x "
                                f"grpo.num_generations_per_prompt = 3 x 4 x 2 = 24")
         assert not (tmp_path / "runs" / "alice.big").exists()
@@ -243,11 +244,11 @@ def test_a_resume_counts_against_the_quotas_too(tmp_path):
 
 def test_an_admin_with_an_entry_of_their_own_is_limited(tmp_path):
     async def main():
-        m = manager(tmp_path, Held(), {"users": {"root": {"max_concurrent_runs": 1}}})
+        m = manager(tmp_path, Held(), {"users": {"root": {"max_unfinished_runs": 1}}})
         await m.submit(SPEC, "a", False, ROOT)
         with refused(grpc.StatusCode.RESOURCE_EXHAUSTED) as err:
             await m.submit(SPEC, "b", False, ROOT)
-        assert "quotas.users.root.max_concurrent_runs" in err.message
+        assert "tenancy.users.root.max_unfinished_runs" in err.message
         await m.submit(SPEC, "b", False, Principal("other", Role.ADMIN))
     asyncio.run(main())
 

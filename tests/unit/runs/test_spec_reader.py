@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlserve.config import SpecError, load_spec
-from rlserve.runs.spec_reader import READER_NICE, ReadingShareSpent, SpecReader
+from rlserve.runs.spec_reader import READER_NICE, SpecReader
+from rlserve.tenancy.policy import CallerLimits, OverLimit
 
 EXAMPLE = (Path(__file__).resolve().parents[3] / "examples/grpo_addition.yaml").read_text()
 SLOW = "a: [" + ",".join(["1"] * 120_000) + "]"  # refused at the node bound, after ~30 ms of reading
@@ -84,7 +85,8 @@ def test_a_caller_over_its_share_of_the_reader_waits_and_others_do_not():
     """A caller past its burst waits for its share (here a 30 ms spec earns its turn in 3 s, more than the
     1 s a spec may wait, so it is refused), while another caller's spec is read at once."""
     async def main() -> None:
-        reader = SpecReader(share=0.01, burst_s=0.01, max_wait_s=1.0)
+        reader = SpecReader(CallerLimits(spec_reading_share=0.01, spec_reading_burst_s=0.01,
+                                         spec_reading_max_wait_s=1.0))
         answered: list[str] = []
 
         async def submit(text: str, caller: str) -> None:
@@ -93,8 +95,8 @@ def test_a_caller_over_its_share_of_the_reader_waits_and_others_do_not():
                 answered.append(f"{caller} read")
             except SpecError:
                 answered.append(f"{caller} read")
-            except ReadingShareSpent as err:
-                answered.append(f"{caller} refused: {err}")
+            except OverLimit as err:
+                answered.append(f"{caller} refused: {err.message}")
         try:
             await reader.read(EXAMPLE, "warm")
             await submit(SLOW, "mallory")  # ~30 ms: the 10 ms burst spent, and 2 s of share owed
@@ -104,14 +106,15 @@ def test_a_caller_over_its_share_of_the_reader_waits_and_others_do_not():
         finally:
             await reader.close()
         assert answered[0] == "alice read" and answered[1].startswith("mallory refused: your spec waited 1 s"), answered
-        assert "spec_reading_share" in answered[1]
+        assert "tenancy.callers.spec_reading_share" in answered[1]
     asyncio.run(main())
 
 
 def test_a_spec_that_comes_while_the_reader_waits_out_a_share_is_read_at_once():
     """The serving loop sleeps until the spent share is back (here ~30 s away), but not past a new spec."""
     async def main() -> None:
-        reader = SpecReader(share=0.001, burst_s=0.001, max_wait_s=60.0)
+        reader = SpecReader(CallerLimits(spec_reading_share=0.001, spec_reading_burst_s=0.001,
+                                         spec_reading_max_wait_s=60.0))
         try:
             await reader.read(EXAMPLE, "warm")
             with pytest.raises(SpecError):
