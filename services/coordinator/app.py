@@ -88,7 +88,7 @@ class CoordinatorArgs(BaseModel):
 
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
-# (rlserve.gateway.limits); this bounds them all together. Streams (WatchRun, the gateway's run feed)
+# (rlserve.tenancy.callers); this bounds them all together. Streams (WatchRun, the gateway's run feed)
 # would hold up a redeploy or `deploy/serve down` for Serve's default 20 s: after 3 s they are cut (a
 # client's WatchRun continues from its next event, the gateway opens a new feed, runs resume in the
 # next coordinator).

@@ -32,7 +32,7 @@ _KEY_PREFIX = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.S)
 def _model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The model class that owns the last element of `loc`, or None."""
     model: Any = root
-    mapping_key = False  # the part after a dict-valued field is a key of it (`quotas.users.alice`)
+    mapping_key = False  # the part after a dict-valued field is a key of it (`tenancy.users.alice`)
     for part in loc[:-1]:
         if isinstance(part, int) or mapping_key:
             mapping_key = False

@@ -563,7 +563,7 @@ class RunSpec(Section):
     # The run's weight when it shares the cluster with other runs: of the rollout engines' tokens and
     # the learner's seconds, each run gets its priority over the sum of the priorities of the runs
     # wanting them (`rlserve.tenancy.fair_share`). Above 1 only as far as the user's quota
-    # `max_priority` allows.
+    # `max_priority` allows (`tenancy.default_user` / `tenancy.users.NAME` in the cluster file).
     priority: float = Field(1.0, gt=0, le=MAX_PRIORITY)
     policy: PolicyCfg = PolicyCfg()
     grpo: GrpoCfg = GrpoCfg()
@@ -714,7 +714,8 @@ class RunSpec(Section):
     def shares_deployed_base(self) -> bool:
         """An RL LoRA run that adapts the deployed model (no SFT warm start of its own base): its adapter is served
         beside other such runs' on the rollout's base, its learner session shares the frozen base with
-        theirs, and the coordinator runs it at the same time as they (up to `max_concurrent_runs`)."""
+        theirs, and the coordinator runs it at the same time as they (up to the cluster file's
+        `tenancy.cluster.max_training_runs`)."""
         return ALGORITHMS[self.algorithm].samples_from_policy and self.policy.lora.enabled and not self.sft.enabled
 
     @property
