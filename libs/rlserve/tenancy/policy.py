@@ -51,15 +51,18 @@ class CallerLimits(BaseModel):
     max_streams: int = Field(16, ge=1, le=100_000)
     # Unary calls at once.
     max_calls_in_flight: int = Field(32, ge=1, le=100_000)
-    # Calls a second, in bursts of up to `call_burst` (a token bucket).
+    # Calls a second (unary and streams alike), the rate of a token bucket.
     calls_per_s: float = Field(50.0, gt=0, le=1e6)
+    # Calls a caller makes back to back before `calls_per_s` holds it back: the bucket's size.
     call_burst: int = Field(100, ge=1, le=1_000_000)
     # A public RPC's request, at most (internal ones, admin-only, carry training batches).
     max_request_kb: int = Field(512, ge=1, le=1_048_576)
-    # Seconds of the coordinator's spec reader a second, in bursts of up to `spec_reading_burst_s` (a token
-    # bucket); a spec that waited `spec_reading_max_wait_s` for it is refused.
+    # Seconds of the coordinator's spec reader a second (the rate of a token bucket): a caller over it waits
+    # its turn, every other caller's specs read before its next one.
     spec_reading_share: float = Field(0.1, gt=0, le=1)
+    # Seconds of reading a caller takes back to back before its share holds it back: the bucket's size.
     spec_reading_burst_s: float = Field(2.0, gt=0, le=3600)
+    # A spec that waited this long for its caller's share is refused.
     spec_reading_max_wait_s: float = Field(30.0, gt=0, le=3600)
 
     def check_request_size(self, request_bytes: int) -> None:
@@ -108,9 +111,13 @@ class UserQuotaOverride(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # Unset: `default_user`'s.
     max_unfinished_runs: int | None = Field(None, ge=1, le=100_000)
+    # Unset: `default_user`'s.
     max_waiting_runs: int | None = Field(None, ge=1, le=100_000)
+    # Unset: `default_user`'s.
     max_samples_per_run: int | None = Field(None, ge=1)
+    # Unset: `default_user`'s.
     max_priority: float | None = Field(None, gt=0, le=MAX_PRIORITY)
 
 
@@ -153,9 +160,13 @@ class TenancyPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # Each caller at the endpoint and at the coordinator's spec reader (applies at `deploy/serve up`).
     callers: CallerLimits = CallerLimits()
+    # Every user's quota on runs (re-read live, like `users` and `cluster`).
     default_user: UserQuota = UserQuota()
+    # A user's own quota, by name, over `default_user` key by key; an admin listed here is limited too.
     users: dict[str, UserQuotaOverride] = {}
+    # Every user's runs together.
     cluster: ClusterLimits = ClusterLimits()
 
     @field_validator("users")
