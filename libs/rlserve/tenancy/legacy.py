@@ -63,7 +63,7 @@ def migrate(data: dict[str, Any], keys: LegacyKeys) -> tuple[dict[str, Any], dic
     """`data` (a copy) with every old key of `keys` moved to its new key, and each old key with its new key.
     LegacyKeyError: an old key beside its new one, two old keys of one limit, an unknown key in an old section."""
     data = copy.deepcopy(data)
-    notes: dict[str, str] = {}
+    moved: dict[str, str] = {}
     set_by: dict[str, str] = {}  # new path -> the old path that set it
     for old, new in sorted(keys.moves, key=lambda m: m[0].endswith("*")):  # keys before the entries that hold them
         for old_path, new_path in _expand(data, old, new):
@@ -82,13 +82,13 @@ def migrate(data: dict[str, Any], keys: LegacyKeys) -> tuple[dict[str, Any], dic
                                          f"{new_path}")
                 _put(data, new_path, _pop(data, old_path))
                 set_by[new_path] = old_path
-            notes[old_path] = new_path
+            moved[old_path] = new_path
     for section in keys.sections:
-        _drop_section(data, section, keys, notes)
-    return data, notes
+        _drop_section(data, section, keys, moved)
+    return data, moved
 
 
-def _drop_section(data: dict[str, Any], section: str, keys: LegacyKeys, notes: dict[str, str]) -> None:
+def _drop_section(data: dict[str, Any], section: str, keys: LegacyKeys, moved: dict[str, str]) -> None:
     """Remove an old section whose keys all moved; one with a key left names it as unknown."""
     if not _present(data, section):
         return
@@ -99,8 +99,8 @@ def _drop_section(data: dict[str, Any], section: str, keys: LegacyKeys, notes: d
         problem = (f"must be a mapping of {', '.join(below)}" if below else
                    f"unknown key (allowed here: {', '.join(_children(keys, path.rsplit('.', 1)[0])) or 'none'})")
         raise LegacyKeyError(f"{path}: {problem}; {section} is deprecated: its limits are in the `tenancy` section")
-    if not any(n.startswith(section + ".") for n in notes):
-        notes[section] = "tenancy"
+    if not any(old.startswith(section + ".") for old in moved):
+        moved[section] = "tenancy"
 
 
 def _children(keys: LegacyKeys, path: str) -> list[str]:
