@@ -108,6 +108,7 @@ LEARNER_BACKENDS = Registry("learner backend", {
 # The backend of a spec that enables no other.
 DEFAULT_BACKEND = "dtensor"
 
+
 @dataclass(frozen=True)
 class AlgorithmEntry:
     # "module:Class" of the `rlserve.loop.algorithm.Algorithm`.
