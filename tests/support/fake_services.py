@@ -52,8 +52,9 @@ class Calls:
 
 class FakeServices(RunServices):
     def __init__(self, *, generate_delay_s: float = 0.0, lose_state_at_version: int | None = None,
-                 vocab: int = 16, environments: dict[str, Environment] | None = None):
+                 vocab: int = 16, environments: dict[str, Environment] | None = None, save_delay_s: float = 0.0):
         self.generate_delay_s = generate_delay_s
+        self.save_delay_s = save_delay_s  # a learner checkpoint takes this long (the producer goes on meanwhile)
         self.environments = dict(environments or {})
         self.env_threads = serving.EnvironmentThreads(64)
         self._loaded = Environments(PluginPolicy([]), CombinedReward([RewardFunctionCfg(name="exact_match")]))
@@ -162,6 +163,7 @@ class FakeServices(RunServices):
 
     async def save_checkpoint(self, req: learner_pb2.SaveCheckpointRequest) -> learner_pb2.SaveCheckpointResponse:
         self._require(req.run_id)
+        await asyncio.sleep(self.save_delay_s)
         Path(req.path).mkdir(parents=True, exist_ok=True)
         Path(req.path, "state.json").write_text(json.dumps({"version": self.learner_version}))
         if req.hf_path:

@@ -126,7 +126,7 @@ class Attempt:
             self.progress()
             stop = algorithm.stop_reason(metrics)
             if spec.checkpointing.enabled and done % spec.checkpointing.save_period == 0 and not (last or stop):
-                await self.checkpoints.save(done, algorithm, algorithm.data_cursor)
+                await self.checkpoints.save(done, algorithm)
             run.save()
             if stop:
                 run.emit(pb.EVENT_KIND_INFO, f"{stop} at step {done}; stopping")

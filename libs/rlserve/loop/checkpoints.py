@@ -91,15 +91,16 @@ class Checkpoints:
         self.inputs, self.run, self.services, self.state = inputs, run, services, state
         self.progress = progress
 
-    async def save(self, step: int, algorithm: Algorithm, data_cursor: int) -> Path:
+    async def save(self, step: int, algorithm: Algorithm) -> Path:
         run = self.run
         folder = step_dir(run.run_dir, step)
         if folder.exists():  # an incomplete one, from before a recovery
             shutil.rmtree(folder)
         resp = await self.services.save_checkpoint(learner_pb2.SaveCheckpointRequest(
             run_id=run.run_id, path=str(folder / "learner")))
-        # Taken without awaiting anything, so work beside the steps cannot change it half-way.
-        CheckpointState(self.inputs.spec.algorithm, step, resp.weight_version, data_cursor, run.ledger,
+        # Taken together without awaiting anything, after the learner's save: work beside the steps (an RL
+        # run's producer) goes on meanwhile, and its cursor, queue and ledger must be of one moment.
+        CheckpointState(self.inputs.spec.algorithm, step, resp.weight_version, algorithm.data_cursor, run.ledger,
                         str(self.state.init_model), self.state.initial_val, algorithm.checkpoint_state(),
                         ).commit(folder, self.inputs.spec.checkpointing.keep_last)
         self.state.checkpoints_saved += 1

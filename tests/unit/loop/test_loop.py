@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -80,6 +81,20 @@ def test_a_lost_learner_session_is_restored_from_the_last_checkpoint(make_run):
     cursors = [r["data/cursor"] for r in run.recorder.read("metrics.jsonl")[1:]]
     assert cursors == [0, 4, 8, 12]
     assert json.loads((run.run_dir / "run.json").read_text())["step"] == 4
+
+
+def test_an_async_run_restored_while_it_generated_ahead_trains_the_prompts_an_uninterrupted_one_would(make_run):
+    """The producer commits the next step while the learner saves a checkpoint: the checkpoint's data cursor,
+    queue and ledger are taken together after the save, so the restored run neither repeats nor skips
+    prompts (its cursor once stayed at the checkpointed step's while the queue held the next)."""
+    run, _ = make_run(grpo={"async_grpo": {"enabled": True, "max_trajectory_age_steps": 1}})
+    services = FakeServices(save_delay_s=0.05, lose_state_at_version=3)
+    asyncio.run(run_to_end(run, services, SETTINGS))
+    assert run.step == 4 and run.ledger.balanced()
+    recovered = next(ev for ev in run.events if ev.kind == pb.EVENT_KIND_RECOVERED)
+    buffered, cursor = re.search(r"(\d+) buffered groups, data cursor (\d+)", recovered.message).groups()
+    assert int(cursor) == 4 * 2 + int(buffered) > 8  # the checkpoint's 2 steps' prompts, then the queued ones'
+    assert [r["data/cursor"] for r in run.recorder.read("metrics.jsonl")[1:]] == [0, 4, 8, 12]
 
 
 def test_two_runs_at_once_share_nothing(make_run):
