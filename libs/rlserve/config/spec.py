@@ -303,9 +303,9 @@ class GrpoCfg(Section):
     adv_estimator: AdvEstimatorCfg = AdvEstimatorCfg()
     # Groups whose rewards are all equal carry no signal; drop them (counted in the ledger).
     skip_zero_advantage_groups: bool = True
-    # DAPO's dynamic sampling (`grpo/producer.py`): the producer drops groups whose task rewards are
-    # all equal and generates more prompts, batch_multiplier x num_prompts_per_step at a time, until
-    # the step has num_prompts_per_step groups that carry signal, at most
+    # DAPO's dynamic sampling (`trajectories/producer.py`): the producer drops groups whose task
+    # rewards are all equal and generates more prompts, batch_multiplier x num_prompts_per_step at a
+    # time, until the step has num_prompts_per_step groups that carry signal, at most
     # dynamic_sampling_max_gen_batches batches (then the step trains what it has, with a WARNING).
     use_dynamic_sampling: bool = False
     batch_multiplier: float = Field(1.0, ge=1, le=64)
