@@ -1,7 +1,7 @@
 """Learning curves: several algorithms on the same task, model, start point and cores, one run at a time.
 
 For each task the harness first makes one start point (the demo's SFT warm start, run once and
-copied into the cluster's model directory), then runs every algorithm from it with the README's
+copied into the cluster's model directory), then runs every algorithm from it with docs/algorithms.md's
 recipe for that algorithm (the `examples/grpo_addition*.yaml` specs, or the GRPO spec with the keys
 that make the variant), validating every `--val-period` steps on the same held-out prompts. It
 plots held-out reward against wall-clock seconds and against trajectories trained (one PNG, a

@@ -1,7 +1,7 @@
 """What healing a shared learner group costs per step: a snapshot against a checkpoint and the step.
 
 A learner whose runs share a worker group snapshots each run's trained state
-after every step (`services/learner/app.py`), so that new workers can take
+after every step (`rlserve.learner.sessions`), so that new workers can take
 over where the dead ones were. Per model: a LoRA GRPO step (rank 16, every
 linear layer, one rank; sequences of random lengths, RL-shaped), then
 `save_snapshot` (a rank's own shards as plain tensors, what the learner uses)

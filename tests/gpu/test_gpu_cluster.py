@@ -4,7 +4,7 @@
 that the cluster comes up, the runs succeed, new weights reach the rollout by the same-GPU handoff and
 what the engine serves afterwards is bit for bit the learner's final policy, and the replicas that asked
 for a GPU fraction hold memory on the GPU while those that did not hold none. Skipped without CUDA, and
-without Ray (a GPU machine before the offline bundle is installed: README "Offline install")."""
+without Ray (a GPU machine before the offline bundle is installed: docs/operations.md, "Offline install")."""
 
 from __future__ import annotations
 
