@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from rlserve.devices import resolve_device
+from rlserve.models import generation
 from rlserve.rewards.interfaces import BatchRewardFunction, RewardInput, RewardOutput
 from rlserve.rewards.reward_model import check_int, check_template
 
@@ -65,21 +66,15 @@ class ChatModel:
         self.max_model_len = max_model_len
         self.device = resolve_device("auto")
         self.model = load_causal_lm(path, torch.float32).to(self.device).eval()
-        # Every EOS id of the model (Llama-3.x-Instruct lists several in its generation config).
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.eos_ids = generation.eos_ids(self.model, self.tokenizer)
+        self.pad_id = generation.pad_id(self.tokenizer, self.eos_ids)
         self.lock = threading.Lock()
 
     @torch.inference_mode()
     def answer(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
         """The greedy answer to each prompt (token ids), up to its first EOS."""
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, ids in enumerate(prompts):  # left padding, as decoder-only generation wants
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
+        input_ids, attention = generation.left_padded(prompts, self.pad_id)
+        width = input_ids.shape[1]
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
                                   do_sample=False, temperature=None, top_p=None, top_k=None,
                                   max_new_tokens=max_new_tokens, eos_token_id=sorted(self.eos_ids),

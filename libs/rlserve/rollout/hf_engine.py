@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
+from rlserve.models import generation
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint, to_checkpoint
 from rlserve.rollout.interfaces import (
@@ -49,11 +50,8 @@ class TransformersEngine(BatchEngine):
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        # Every EOS id of the model (Llama-3.x-Instruct lists several in its generation config), as
-        # vLLM stops on them all.
-        eos = self.model.generation_config.eos_token_id
-        self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id} - {None}
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.eos_ids = generation.eos_ids(self.model, self.tokenizer)
+        self.pad_id = generation.pad_id(self.tokenizer, self.eos_ids)
         self._served_adapter: tuple[int, list[str]] | None = None  # (rank, targets) of the adapter layers added
         # The base model the weights are (adapters apply to it); None after a full-weight update.
         self._base: Path | None = Path(cfg.model_path).resolve()
@@ -67,12 +65,8 @@ class TransformersEngine(BatchEngine):
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         rows = [ids for ids in prompts for _ in range(n)]
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, ids in enumerate(rows):  # left padding, as decoder-only generation wants
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            attention[i, width - len(ids):] = 1
+        input_ids, attention = generation.left_padded(rows, self.pad_id)
+        width = input_ids.shape[1]
         greedy = sampling.temperature == 0
         stop_ids = {*self.eos_ids, *sampling.stop_token_ids}
         out = self.model.generate(
