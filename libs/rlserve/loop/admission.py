@@ -20,6 +20,7 @@ import fnmatch
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 
@@ -48,8 +49,23 @@ from rlserve.weights.specs import checkpoint_specs, fingerprint
 
 # Prompts whose length the preflight checks (the data set's first ones, and every validation prompt).
 PREFLIGHT_SAMPLE = 2000
+T = TypeVar("T")
 # Services for admission's own calls: (reward endpoint or None, retry policy, environment endpoint or None).
 Connect = Callable[[str | None, RetryPolicy, str | None], RunServices]
+
+
+async def _data_and_tokenizer(spec: RunSpec, model: Path, build: Callable[..., T], *args: Any
+                              ) -> tuple[T, PromptTokenizer]:
+    """`build(*args)` (the data, off the event loop) and the model's prompt tokenizer; INVALID_ARGUMENT
+    naming `data` for data that cannot be read, FAILED_PRECONDITION for a tokenizer that cannot render it."""
+    try:
+        data = await asyncio.to_thread(build, *args)
+    except ValueError as err:
+        raise invalid_argument("data", str(err)) from None
+    try:
+        return data, PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
+    except ValueError as err:
+        raise failed_precondition(str(err)) from None
 
 
 class RunAdmission(Admission):
@@ -218,14 +234,7 @@ class RunAdmission(Admission):
     async def _check_preference_data(spec: RunSpec, model: Path) -> None:
         """The preference file of a run that trains on pairs (DPO): every row a pair, a sample of them
         renderable."""
-        try:
-            splits = await asyncio.to_thread(build_preference_splits, spec.data)
-        except ValueError as err:
-            raise invalid_argument("data", str(err)) from None
-        try:
-            tok = PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
-        except ValueError as err:
-            raise failed_precondition(str(err)) from None
+        splits, tok = await _data_and_tokenizer(spec, model, build_preference_splits, spec.data)
         sample = [*splits.train[:PREFLIGHT_SAMPLE], *splits.val]
         try:
             await asyncio.to_thread(lambda: [tok.sft_ids(p.example(r)) for p in sample for r in (p.chosen, p.rejected)])
@@ -263,15 +272,8 @@ class RunAdmission(Admission):
     @staticmethod
     async def _check_prompt_lengths(spec: RunSpec, model: Path) -> tuple[PromptTokenizer, Example]:
         """Every sampled prompt fits; returns the tokenizer and the first validation example."""
-        try:
-            # A bounded sample: the run builds the whole data set itself, in a worker thread.
-            splits = await asyncio.to_thread(build_splits, spec.data, PREFLIGHT_SAMPLE)
-        except ValueError as err:
-            raise invalid_argument("data", str(err)) from None
-        try:
-            tok = PromptTokenizer(model, spec.data.prompt_format, spec.data.system_prompt)
-        except ValueError as err:
-            raise failed_precondition(str(err)) from None
+        # A bounded sample: the run builds the whole data set itself, in a worker thread.
+        splits, tok = await _data_and_tokenizer(spec, model, build_splits, spec.data, PREFLIGHT_SAMPLE)
         room = spec.policy.max_total_sequence_length - spec.policy.generation.max_new_tokens
         try:
             longest = await asyncio.to_thread(tok.longest_prompt, splits.train + splits.val)
