@@ -222,7 +222,7 @@ def test_without_cuda_the_backend_refuses_to_start():
 
 
 def test_automatic_layout_grows_model_parallelism_with_the_model():
-    from rlserve.config.spec import MegatronCfg
+    from rlserve.config.policy import MegatronCfg
     from rlserve.learner.megatron.parallel_dims import ModelShape, choose_layout
 
     gib = 2**30

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlserve.config.spec import LoraCfg, RunSpec
+from rlserve.config.policy import LoraCfg
+from rlserve.config.spec import RunSpec
 from rlserve.weights import adapter
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from rlserve.config.spec import SchedulerCfg
+from rlserve.config.policy import SchedulerCfg
 
 
 def lr_factor(step: int, cfg: SchedulerCfg, total_steps: int) -> float:

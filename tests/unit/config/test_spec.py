@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from rlserve.catalog import ADVANTAGE_ESTIMATORS, DEFAULT_BACKEND, LEARNER_BACKENDS, LOSSES, SUPERVISED_LOSSES
 from rlserve.config import RunSpec, SpecError, load_spec, parse_spec, spec_to_yaml
-from rlserve.config.spec import LEGACY_ADV_ESTIMATOR_KEYS, PolicyCfg, Section
+from rlserve.config.policy import PolicyCfg
+from rlserve.config.spec import LEGACY_ADV_ESTIMATOR_KEYS, Section
 
 
 def problems(data) -> list[str]:

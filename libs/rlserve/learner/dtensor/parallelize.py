@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from rlserve.config.spec import DTensorCfg
+from rlserve.config.policy import DTensorCfg
 from rlserve.logs import event
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ update, which this plan does not do (Megatron-Core replicates KV groups over TP:
 
 from __future__ import annotations
 
-from rlserve.config.spec import DTensorCfg, RunSpec
+from rlserve.config.policy import DTensorCfg
+from rlserve.config.spec import RunSpec
 from rlserve.learner.registry import UnsupportedModel
 
 # HF model types whose attention block fuses q/k/v into one projection (kept whole under TP).

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from rlserve.config.spec import MegatronCfg, RunSpec
+from rlserve.config.policy import MegatronCfg
+from rlserve.config.spec import RunSpec
 from rlserve.dtypes import torch_dtype
 
 _NESTED = {"optimizer": "optimizer", "distributed_data_parallel_config": "ddp"}

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlserve.config.spec import LoraCfg
+from rlserve.config.policy import LoraCfg
 from rlserve.learner.megatron.hf_map import dense_linears, hf_names, moe_expert_leaves, row_sources
 from rlserve.learner.registry import UnsupportedModel
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlserve.config.spec import MegatronCfg
+from rlserve.config.policy import MegatronCfg
 from rlserve.models.architecture import num_experts
 from rlserve.training.forward import default_chunk_rows
 
