@@ -21,8 +21,9 @@ import torch.distributed as dist
 from rlserve.config.spec import RunSpec
 from rlserve.learner import checkpoint
 from rlserve.models.hf_io import write_hf_folder
-from rlserve.training.batch import TrainBatch
+from rlserve.training.batch import MicroBatch, TrainBatch
 from rlserve.training.objective import StepObjective
+from rlserve.training.primitives import AdamStep, DatumBatch, PrimitiveResult, datum_loss
 from rlserve.weights import adapter
 
 
@@ -109,6 +110,68 @@ class LearnerBackend(ABC):
         its adapters off (NeMo-RL and verl do the same; no second model is loaded)."""
         raise NotImplementedError(f"the {self.name} backend has no LoRA reference pass")
 
+    # --- primitives (rlserve.training.primitives): a loss on datums, gradients kept until optim_step ----
+
+    def forward_primitive(self, batch: DatumBatch, backward: bool) -> PrimitiveResult:
+        """The batch's loss and the learner's logprobs of every datum's targets; with `backward` its gradients
+        are added to those of earlier calls (none are cleared until `optim_step`). Each data-parallel rank
+        takes every dp-th datum, one padded micro-batch of `policy.train_micro_batch_size` rows at a time
+        (short ranks run empty ones: FSDP's collectives need the same count), and every rank returns all
+        datums' logprobs."""
+        t0 = time.perf_counter()
+        n, per = len(batch.datums), max(1, self.spec.policy.train_micro_batch_size)
+        mine = list(range(self.dp_rank, n, self.dp_size))
+        rounds = -(-len(range(0, n, self.dp_size)) // per)
+        logprobs: dict[int, torch.Tensor] = {}
+        loss_sum = torch.zeros(())
+        for k in range(rounds):
+            idx = mine[k * per:(k + 1) * per]
+            mb = datum_micro_batch(batch, idx or [0], self.pad_id, dummy=not idx)
+            with torch.set_grad_enabled(backward):
+                flat = self._datum_logprobs(mb)
+                lps = list(flat.split([int(batch.datums[i].tokens.numel()) for i in idx])) if idx else []
+                loss = (datum_loss(DatumBatch([batch.datums[i] for i in idx], batch.loss, batch.config), lps)
+                        if idx else flat.sum() * 0.0)
+                if backward:
+                    # FSDP averages gradients over data-parallel ranks; the loss is a sum: undo the average.
+                    (loss * self.dp_size).backward()
+            loss_sum += loss.detach().float().cpu()
+            logprobs.update({i: lp.detach().float().cpu() for i, lp in zip(idx, lps)})
+        if self.dp_size > 1:
+            shares: list = [None] * dist.get_world_size()
+            dist.all_gather_object(shares, (logprobs, float(loss_sum)))
+            logprobs = {i: lp for share, _ in shares for i, lp in share.items()}
+            loss_sum = torch.tensor(sum(v for _, v in shares) * self.dp_size / dist.get_world_size())
+        elapsed = time.perf_counter() - t0
+        metrics = {"loss:sum": float(loss_sum), "usage/trained_tokens:sum": float(batch.num_tokens) if backward
+                   else 0.0, "usage/training_device_s:sum": elapsed * (dist.get_world_size()
+                                                                       if dist.is_initialized() else 1)}
+        return PrimitiveResult([logprobs[i] for i in range(n)], metrics)
+
+    def optim_step(self, step: AdamStep) -> StepResult:
+        """One AdamW update on the gradients accumulated since the last one (the SDK's AdamParams: its
+        learning rate, betas, eps and decoupled weight decay for this step; `grad_clip_norm` > 0 clips the
+        global norm); they are cleared after it. The version advances by one."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
+                         weight_decay=step.weight_decay)
+        grad_norm = self._primitive_step(step.grad_clip_norm or None)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._version += 1
+        return StepResult(self._version, {"optim/grad_norm:mean": float(grad_norm),
+                                          "optim/lr:mean": step.learning_rate})
+
+    def _datum_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """The logprobs of `mb.targets` at its `hidden_index` positions, differentiable (a backend that has
+        no such pass refuses the primitives)."""
+        raise NotImplementedError(f"the {self.name} learner backend does not run forward/forward_backward/"
+                                  f"optim_step; use policy.dtensor_cfg")
+
+    def _primitive_step(self, max_norm: float | None) -> torch.Tensor:
+        """Clip (when `max_norm`) and apply the accumulated gradients; the global norm before clipping."""
+        raise NotImplementedError(f"the {self.name} learner backend does not run optim_step; use "
+                                  f"policy.dtensor_cfg")
+
     @abstractmethod
     def _finalize(self, objective: StepObjective) -> dict[str, float]:
         """The step's metrics reduced over all ranks; every rank returns the same dict."""
@@ -177,3 +240,26 @@ class LearnerBackend(ABC):
             else:
                 write_hf_folder(path, tensors, self.model_path, {"version": self._version})
         dist.barrier()
+
+
+def datum_micro_batch(batch: DatumBatch, idx: list[int], pad_id: int, dummy: bool = False) -> MicroBatch:
+    """Datums `idx` as one right-padded micro-batch whose every real position predicts its datum's target
+    (the SDK's alignment: position i predicts target i, no shift). A dummy one selects no position."""
+    seqs = [batch.datums[i].tokens for i in idx]
+    width = max(int(s.numel()) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    real = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, s in enumerate(seqs):
+        input_ids[row, :len(s)], attention[row, :len(s)] = s, 1
+        real[row, :len(s)] = not dummy
+    targets = (torch.cat([batch.datums[i].targets for i in idx]) if not dummy
+               else torch.zeros(0, dtype=torch.long))
+    lens = torch.tensor([0 if dummy else len(s) for s in seqs])
+    return MicroBatch(
+        input_ids=input_ids, position_ids=torch.arange(width).expand(len(seqs), width).contiguous(), packed=False,
+        attention_mask=None if all(len(s) == width for s in seqs) else attention, completion_mask=real,
+        hidden_index=real.flatten().nonzero().squeeze(1), targets=targets,
+        advantages=torch.zeros(len(targets)), gen_logprobs=None, ref_logprobs=None,
+        seq_index=torch.arange(len(seqs)).repeat_interleave(lens), num_seqs=0 if dummy else len(seqs),
+        loss_mask=None, num_tokens=0 if dummy else int(lens.sum()))

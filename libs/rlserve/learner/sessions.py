@@ -45,14 +45,15 @@ from rlserve.learner.publishing import Published
 from rlserve.learner.worker_group import NoRoom, P, StartGroup, T, WorkerDied, WorkerGroup, WorkerLayout
 from rlserve.learner.worker_host import WorkerHost
 from rlserve.logs import event
-from rlserve.rpc import RpcError, aborted, invalid_argument
+from rlserve.rpc import RpcError, aborted, failed_precondition, invalid_argument
 from rlserve.tenancy.fair_share import FairShare
 from rlserve.training.batch import TrainBatch
+from rlserve.training.primitives import AdamStep, DatumBatch, PrimitiveResult
 
 log = logging.getLogger("rlserve.learner")
 
 # Worker calls after which a shared run's trained state is snapshotted (in the same turn).
-_CHANGES_STATE = frozenset({WorkerHost.train_step, WorkerHost.load_checkpoint})
+_CHANGES_STATE = frozenset({WorkerHost.train_step, WorkerHost.load_checkpoint, WorkerHost.optim_step})
 
 
 @dataclass
@@ -177,6 +178,23 @@ class SessionTable:
             session.last_step, session.version = (session.version, result), result.version
             return result
 
+    async def forward_primitive(self, run_id: str, batch: DatumBatch, backward: bool) -> PrimitiveResult:
+        """`forward` (or with `backward` `forward_backward`: gradients kept until `optim_step`) of the run's
+        datums; rank 0's answer."""
+        session = self.session(run_id)
+        async with session.lock:
+            result, *_ = await self._call(session, WorkerHost.forward_primitive, batch, backward)
+            return result
+
+    async def optim_step(self, run_id: str, step: AdamStep) -> StepResult:
+        """One optimizer update on the run's accumulated gradients. (A heal restores the last snapshot, taken
+        after each update: gradients accumulated since are lost with the workers.)"""
+        session = self.session(run_id)
+        async with session.lock:
+            result, *_ = await self._call(session, WorkerHost.optim_step, step)
+            session.version, session.last_step = result.version, None
+            return result
+
     async def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool, timeout_s: float,
                      shared_base: bool) -> Published:
         """Publish the run's current weights (rank 0 says what it did)."""
@@ -282,6 +300,8 @@ class SessionTable:
             return await group.workers.call_all(method, *args, **kwargs)
         except ValueError as err:  # SpecError and UnsupportedModel too
             raise invalid_argument("request", str(err).splitlines()[0]) from None
+        except NotImplementedError as err:  # a backend without the primitives
+            raise failed_precondition(str(err).splitlines()[0]) from None
 
     async def _all(self, group: SessionGroup, method: Callable[Concatenate[WorkerHost, P], T],
                    *args: P.args, **kwargs: P.kwargs) -> list[T]:

@@ -24,6 +24,7 @@ from rlserve.learner.publishing import Published, Publishing, WeightPublisher
 from rlserve.learner.registry import make_backend
 from rlserve.learner.shared_base import SharedBases
 from rlserve.training.batch import TrainBatch
+from rlserve.training.primitives import AdamStep, DatumBatch, PrimitiveResult
 
 
 @dataclass
@@ -63,6 +64,12 @@ class WorkerHost:
 
     def train_step(self, run_id: str, batch: TrainBatch, loss_name: str, lr: float | None) -> StepResult:
         return self._run(run_id).backend.train_step(batch, loss_name, lr)
+
+    def forward_primitive(self, run_id: str, batch: DatumBatch, backward: bool) -> PrimitiveResult:
+        return self._run(run_id).backend.forward_primitive(batch, backward)
+
+    def optim_step(self, run_id: str, step: AdamStep) -> StepResult:
+        return self._run(run_id).backend.optim_step(step)
 
     def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool, timeout_s: float,
                shared_base: bool) -> Published | None:

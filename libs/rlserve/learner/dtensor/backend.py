@@ -163,6 +163,18 @@ class DTensorBackend(LearnerBackend):
         tensors = lora.read_adapter_for(folder, self.adapter_config)
         weights.load_adapter(self.model, {adapter.param_name(n): t for n, t in tensors.items()})
 
+    def _datum_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        # Every call reduces its gradients (no deferred sync): they add up across forward_backward calls.
+        self.model.set_requires_gradient_sync(True)
+        return self.model(mb.to(self.device), with_entropy=False)[0]
+
+    def _primitive_step(self, max_norm: float | None) -> torch.Tensor:
+        if all(p.grad is None for p in self.trainable):  # no forward_backward since the last step
+            return torch.zeros(())
+        norm = clip_grad_norm(self.trainable, max_norm)
+        self.optimizer.step()
+        return norm
+
     def _clip_and_step(self) -> torch.Tensor:
         norm = clip_grad_norm(self.trainable, self.spec.policy.max_grad_norm)
         self.optimizer.step()
