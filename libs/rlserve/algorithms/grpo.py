@@ -216,7 +216,7 @@ class Grpo(Algorithm):
         metrics.update(estimator.metrics(adv_inputs))
 
         # 3. Train on the batch.
-        batch = build_batch(trainable, advantages, spec.reference_to_learner)
+        batch = build_batch(trainable, advantages, spec.reference_to_learner, version)
         t1 = time.perf_counter()
         result = await a.train(batch, spec.loss_fn.name)
         train_s = time.perf_counter() - t1

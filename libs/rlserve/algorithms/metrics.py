@@ -4,7 +4,8 @@ A loss returns a dict of 0-d tensors whose key suffix says how it combines:
 `_sum` and `_count` add, `_max` / `_min` take the max / min. Combining is on
 device with no host sync (`reduce_metric_sums` over micro-batches, then
 `all_reduce_metric_sums` over ranks); `finalize_metrics` turns the step's sums
-into namespaced metrics with one host sync, once per step.
+into namespaced metrics with one host sync, once per step (the consistency sums
+the objective adds, `mismatch_*`, become `mismatch/*`: `rlserve.algorithms.mismatch`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from rlserve.algorithms.mismatch import mismatch_metrics
 
 
 def masked_extreme(x: Tensor, valid: Tensor, largest: bool) -> Tensor:
@@ -78,7 +81,6 @@ _TOKEN_MEANS = {
     "policy/ratio_mean": "ratio_sum",
     "policy/is_weight_mean": "is_weight_sum",
     "policy/is_truncated_fraction": "is_truncated_count",
-    "policy/token_mult_prob_error": "prob_error_sum",
     "policy/advantage_mean": "advantage_sum",
     "policy/entropy": "entropy_sum",
 }
@@ -118,4 +120,4 @@ def finalize_metrics(sums: dict[str, Tensor], reported: Mapping[str, str] | None
     pairs = values.get("pair_count", 0.0)
     if pairs > 0:
         out |= {name: values[key] / pairs for name, key in _PAIR_MEANS.items() if key in values}
-    return out
+    return out | mismatch_metrics(values)

@@ -8,11 +8,15 @@ multi-turn episode's own tokens, not the environment's observations and the
 chat template's turn markers between them, which are context only). A `MicroBatch` is what one forward pass
 eats; its completion tokens, gathered row-major, line up with the flat
 per-token vectors the loss functions take.
+
+For the rollout-training consistency metrics (`rlserve.algorithms.mismatch`) a batch may carry each
+completion token's age (learner version minus the version that sampled it) and turn; for MoE routing
+replay (`rlserve.models.moe_routing`), the experts the rollout routed every token to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -35,28 +39,43 @@ class TrainBatch:
     # [total_completion_tokens] bool: the tokens the loss counts (SFT on a conversation: the assistant's
     # turns, not the user's between them). None: every completion token.
     loss_mask: torch.Tensor | None = None
+    # [total_completion_tokens] int32: weight versions between the learner at this step and the engine that
+    # sampled the token (0: on-policy), and which turn of its episode it belongs to (1, 2, ...; 0 for
+    # context). None: not recorded (the consistency metrics then have no age or turn split).
+    token_ages: torch.Tensor | None = None
+    token_turns: torch.Tensor | None = None
+    # [total_tokens, layers, experts_per_token] int16: the experts the rollout routed each token to (MoE
+    # routing replay), -1 where none was recorded (the learner routes those itself). None: no replay.
+    routed_experts: torch.Tensor | None = None
 
     @classmethod
     def from_sequences(cls, token_ids: list[list[int]], prompt_lens: list[int], advantages: list[float] | None = None,
                        gen_logprobs: list[list[float]] | None = None,
                        ref_logprobs: list[list[float]] | None = None,
                        token_advantages: list[list[float]] | None = None,
-                       loss_mask: list[list[bool]] | None = None) -> TrainBatch:
+                       loss_mask: list[list[bool]] | None = None,
+                       token_ages: list[list[int]] | None = None,
+                       token_turns: list[list[int]] | None = None,
+                       routed_experts: list[torch.Tensor] | None = None) -> TrainBatch:
         if not token_ids:
             raise ValueError("empty batch")
         for i, (ids, p) in enumerate(zip(token_ids, prompt_lens)):
             if not 0 < p < len(ids):
                 raise ValueError(f"sequences[{i}]: prompt_length {p} must be in 1..{len(ids) - 1}")
             for name, per_tok in (("generator_logprobs", gen_logprobs), ("reference_logprobs", ref_logprobs),
-                                  ("token_advantages", token_advantages), ("loss_mask", loss_mask)):
+                                  ("token_advantages", token_advantages), ("loss_mask", loss_mask),
+                                  ("token_ages", token_ages), ("token_turns", token_turns)):
                 if per_tok is not None and len(per_tok[i]) != len(ids) - p:
                     raise ValueError(f"sequences[{i}].{name}: {len(per_tok[i])} values for "
                                      f"{len(ids) - p} completion tokens")
             if loss_mask is not None and not any(loss_mask[i]):
                 raise ValueError(f"sequences[{i}].loss_mask: no completion token is trained")
+            if routed_experts is not None and routed_experts[i].shape[0] != len(ids):
+                raise ValueError(f"sequences[{i}].routed_experts: {routed_experts[i].shape[0]} rows for "
+                                 f"{len(ids)} tokens")
 
-        def flat(rows: list[list[float]] | None) -> torch.Tensor | None:
-            return None if rows is None else torch.tensor([v for r in rows for v in r], dtype=torch.float32)
+        def flat(rows: list[list[float]] | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+            return None if rows is None else torch.tensor([v for r in rows for v in r], dtype=dtype)
 
         return cls(
             tokens=torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long),
@@ -68,6 +87,9 @@ class TrainBatch:
             ref_logprobs=flat(ref_logprobs),
             token_advantages=flat(token_advantages),
             loss_mask=None if loss_mask is None else torch.tensor([v for r in loss_mask for v in r], dtype=torch.bool),
+            token_ages=flat(token_ages, torch.int32),
+            token_turns=flat(token_turns, torch.int32),
+            routed_experts=None if routed_experts is None else torch.cat(routed_experts).to(torch.int16),
         )
 
     @property
@@ -120,15 +142,19 @@ class MicroBatch:
     # kernels that keep each sequence to itself (`rlserve.training.attention`); None when padded.
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    # Flat per completion token (as gen_logprobs): age and turn (`TrainBatch.token_ages`, `token_turns`).
+    token_ages: torch.Tensor | None = None
+    token_turns: torch.Tensor | None = None
+    # [B, L, layers, k] (padded) or [1, T, layers, k] (packed), aligned with input_ids: the experts to
+    # replay, -1 where the learner routes itself (padding, tokens without a recorded route).
+    routed_experts: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> MicroBatch:
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
-        return MicroBatch(mv(self.input_ids), mv(self.position_ids), self.packed, mv(self.attention_mask),
-                          mv(self.completion_mask), mv(self.hidden_index), mv(self.targets), mv(self.advantages),
-                          mv(self.gen_logprobs), mv(self.ref_logprobs), mv(self.seq_index), self.num_seqs,
-                          mv(self.loss_mask), self.num_tokens, mv(self.cu_seqlens), self.max_seqlen)
+        return replace(self, **{f.name: mv(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments that carry the packing to a transformers model (the names of its
@@ -159,6 +185,7 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
         completion = torch.cat([torch.arange(len(s)) >= p for s, p in zip(seqs, starts)])[None]
         attention = None
+        routes = None if batch.routed_experts is None else torch.cat([_routes(batch, i) for i in idx])[None]
     else:
         width = max(len(s) for s in seqs)
         input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -169,6 +196,11 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
             attention[row, :len(s)] = 1
             completion[row, p:len(s)] = True
         position_ids = torch.arange(width).expand(len(seqs), width).contiguous()
+        routes = None
+        if batch.routed_experts is not None:
+            routes = batch.routed_experts.new_full((len(seqs), width, *batch.routed_experts.shape[1:]), -1)
+            for row, i in enumerate(idx):
+                routes[row, :len(seqs[row])] = _routes(batch, i)
         if all(len(s) == width for s in seqs):
             attention = None  # no padding: plain causal attention (the fused kernels' fast path)
     real = [] if dummy else idx
@@ -183,7 +215,16 @@ def _make(batch: TrainBatch, idx: list[int], packed: bool, pad_id: int, dummy: b
         ref_logprobs=_per_token(batch, batch.ref_logprobs, real) if real else _empty(batch.ref_logprobs),
         seq_index=torch.arange(len(idx)).repeat_interleave(comp_lens), num_seqs=len(real),
         loss_mask=_per_token(batch, batch.loss_mask, real) if real else _empty(batch.loss_mask),
-        num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        num_tokens=0 if dummy else int(batch.seq_lens[idx].sum()), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        token_ages=_per_token(batch, batch.token_ages, real) if real else _empty(batch.token_ages),
+        token_turns=_per_token(batch, batch.token_turns, real) if real else _empty(batch.token_turns),
+        routed_experts=routes)
+
+
+def _routes(batch: TrainBatch, i: int) -> torch.Tensor:
+    """Sequence i's rows of `routed_experts` [len, layers, k]."""
+    seq_start, _ = batch._offsets()
+    return batch.routed_experts[seq_start[i]:seq_start[i] + batch.seq_lens[i]]
 
 
 def _empty(field: torch.Tensor | None) -> torch.Tensor | None:

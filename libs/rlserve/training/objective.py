@@ -7,7 +7,9 @@ micro-batches. Losses are divided by global counts (all micro-batches, all
 ranks) so that accumulating gradients over micro-batches and averaging over
 ranks gives the full-minibatch gradient. The loss is chosen by name
 (`rlserve.algorithms.registry`) and says what it needs; nothing here knows a
-loss by name.
+loss by name. Whatever the loss, a batch with the generator's logprobs is
+measured against the learner's at the start of the step
+(`rlserve.algorithms.mismatch`: the step's `mismatch/*` metrics).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from rlserve.algorithms.interfaces import LossInputs
 from rlserve.algorithms.metrics import all_reduce_metric_sums, finalize_metrics, reduce_metric_sums
+from rlserve.algorithms.mismatch import mismatch_sums
 from rlserve.algorithms.registry import loss_for_run
 from rlserve.config.spec import RunSpec
 from rlserve.training.batch import MicroBatch, TrainBatch, rank_micro_batches
@@ -53,6 +56,7 @@ class StepObjective:
         # The loss needs the reference policy's logprobs and the batch brings none: a LoRA learner
         # computes them itself, with its adapters off (`set_reference`).
         self.reference_missing = self.loss.needs_reference_logprobs and batch.ref_logprobs is None
+        self.loss_cfg = spec.loss_fn
         self._sums: list[dict[str, torch.Tensor]] = []
 
     def prev_logprobs(self, forward: Callable[[list[MicroBatch]], list[torch.Tensor | None]]
@@ -82,6 +86,11 @@ class StepObjective:
         loss, sums = self.loss(inputs, self.normalizers[k])
         if entropy is not None:
             sums["entropy_sum"] = (entropy.detach().float() * mask).sum()
+        if mb.gen_logprobs is not None:
+            # The generator against the learner at the start of the step (`prev`; this update's own
+            # logprobs for the first one, which trains at those weights).
+            sums.update(mismatch_sums(inputs.prev_logprobs, mb.gen_logprobs, mask > 0, self.loss_cfg,
+                                      mb.token_ages, mb.token_turns))
         self._sums.append(sums)
         return loss
 

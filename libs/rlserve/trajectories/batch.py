@@ -24,11 +24,15 @@ def advantage_inputs(groups: list[Group], rewards: torch.Tensor, with_reference:
     return AdvantageInputs(rewards, mask, gen, ref)
 
 
-def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool) -> TrainBatch:
+def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool,
+                version: int | None = None) -> TrainBatch:
     """One sequence per trajectory: its prompt and tokens exactly as generated (an episode's observations
     between turns included, which its loss mask leaves out of the loss); `advantages` [G, n], or [G, n, T]
-    from a token-level estimator."""
+    from a token-level estimator. With `version` (the learner's at this step) each token carries its age
+    in versions, and in a batch of multi-turn episodes its turn (the consistency metrics' splits)."""
     seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps, masks = [], [], [], [], [], [], []
+    ages, turns = [], []
+    multi_turn = any(t.turns > 1 for g in groups for t in g.trajectories)
     per_token = advantages.dim() == 3
     for g, adv in zip(groups, advantages.tolist()):
         for j, t in enumerate(g.trajectories):
@@ -42,7 +46,12 @@ def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: b
             masks.append(t.mask)
             if with_reference:
                 ref_lps.append(t.ref_logprobs)
+            if version is not None:
+                ages.append([version - v for v in t.token_versions(g.weight_version)])
+            turns.append(t.token_turns())
     return TrainBatch.from_sequences(seqs, prompt_lens, None if per_token else advs, gen_lps,
                                      ref_lps if with_reference else None,
                                      token_advantages=token_advs if per_token else None,
-                                     loss_mask=None if all(all(m) for m in masks) else masks)
+                                     loss_mask=None if all(all(m) for m in masks) else masks,
+                                     token_ages=ages if version is not None else None,
+                                     token_turns=turns if multi_turn else None)

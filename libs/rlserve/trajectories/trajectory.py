@@ -34,6 +34,10 @@ class Trajectory:
     reward_error: str | None = None
     # The reference policy's logprobs of `tokens`, when the KL term or a teacher needs them.
     ref_logprobs: list[float] | None = None
+    # An external agent's episode (`rlserve.agents`): its own prompt (None: the group's), and where a
+    # rewritten history starts another sequence: (offset in `tokens`, that sequence's prompt).
+    prompt_ids: list[int] | None = None
+    restarts: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float] | None, runs=()) -> None:
         """Append a turn (`logprobs` given: the policy's tokens, with the versions that sampled them) or
@@ -44,10 +48,32 @@ class Trajectory:
         self.mask += [logprobs is not None] * len(ids)
         self.versions += [(r.version, start + r.start, start + r.end) for r in runs]
 
+    def sequences(self, group_prompt: list[int]) -> list[tuple[list[int], int, int]]:
+        """(prompt, start, end) of each sequence the learner trains on: its prompt and tokens, or with
+        restarts one sequence per stretch of `tokens`, each after its own prompt."""
+        starts = [(0, self.prompt_ids if self.prompt_ids is not None else group_prompt), *self.restarts]
+        ends = [offset for offset, _ in self.restarts] + [len(self.tokens)]
+        return [(prompt, start, end) for (start, prompt), end in zip(starts, ends)]
+
     @property
     def policy_tokens(self) -> int:
         """The policy's own tokens (the observations between its turns are the environment's)."""
         return sum(self.mask)
+
+    def token_versions(self, default: int) -> list[int]:
+        """The weight version that generated each token (`default` for context, which none generated)."""
+        out = [default] * len(self.tokens)
+        for version, start, end in self.versions:
+            out[start:end] = [version] * (end - start)
+        return out
+
+    def token_turns(self) -> list[int]:
+        """Each token's turn: 1 for the policy's first run of tokens, 2 for its next, ...; 0 for context."""
+        out, turn = [], 0
+        for k, own in enumerate(self.mask):
+            turn += own and (k == 0 or not self.mask[k - 1])
+            out.append(turn if own else 0)
+        return out
 
     def version_range(self, default: int) -> tuple[int, int]:
         """(oldest, newest) weight version of its tokens (`default` when none is recorded)."""
@@ -57,7 +83,8 @@ class Trajectory:
     @classmethod
     def from_dict(cls, saved: dict) -> Trajectory:
         return cls(**{**saved, "versions": [tuple(v) for v in saved["versions"]],
-                      "failure": tuple(saved["failure"]) if saved["failure"] else None})
+                      "failure": tuple(saved["failure"]) if saved["failure"] else None,
+                      "restarts": [tuple(r) for r in saved.get("restarts", [])]})
 
 
 @dataclass

@@ -444,7 +444,7 @@ def test_grpo_metric_values():
     expected = {
         "policy/clip_fraction": 0.5, "policy/ratio_mean": 1.25, "policy/ratio_max": 1.5, "policy/ratio_min": 1.0,
         "policy/is_weight_mean": 1.25, "policy/is_weight_max": 2.0, "policy/is_weight_min": 0.5,
-        "policy/is_truncated_fraction": 0.0, "policy/token_mult_prob_error": 2.0, "policy/advantage_mean": 2.0,
+        "policy/is_truncated_fraction": 0.0, "policy/advantage_mean": 2.0,
         "policy/reference_kl": 0.0, "loss/kl": 0.0, "batch/valid_tokens": 2.0, "batch/valid_sequences": 2.0,
     }
     for name, value in expected.items():

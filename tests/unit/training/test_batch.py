@@ -141,3 +141,26 @@ def test_packed_ranks_are_balanced_by_tokens():
                                                              algorithm="balanced"))
              for r in range(2)]
     assert loads == [24, 18]  # the best split of three 12s and three 2s
+
+
+def test_ages_turns_and_routes_follow_their_tokens_into_micro_batches():
+    """Per-token ages and turns line up with the flat completion vectors; routed experts with input_ids,
+    -1 over padding (the learner routes it itself)."""
+    seqs, prompts = [[5, 6, 7, 8], [5, 6, 7], [9, 9, 9, 9, 9]], [2, 1, 3]
+    ages = [[0, 1], [2, 2], [0, 0]]
+    turns = [[1, 2], [1, 1], [1, 0]]
+    routes = [torch.arange(len(s) * 4, dtype=torch.int16).view(len(s), 2, 2) + 100 * i for i, s in enumerate(seqs)]
+    coded = [[10.0 * a + t for a, t in zip(ar, tr)] for ar, tr in zip(ages, turns)]  # gen logprobs name them
+    batch = TrainBatch.from_sequences(seqs, prompts, [0.0, 0.0, 0.0], coded, token_ages=ages, token_turns=turns,
+                                      routed_experts=routes)
+    for packed in (False, True):
+        (mb,) = rank_micro_batches(batch, [0, 1, 2], 0, 1, packed=packed, micro_batch_size=3, mb_tokens=64,
+                                   algorithm="balanced")
+        assert (mb.token_ages * 10 + mb.token_turns).float().tolist() == mb.gen_logprobs.tolist()
+        got = mb.routed_experts
+        assert got.shape[:2] == mb.input_ids.shape and got.shape[2:] == (2, 2)
+        # Every row's routes are its own sequence's (they encode 100 * sequence + position).
+        rows = got.flatten(0, 1)[(mb.input_ids.flatten() != 0) & (got.flatten(0, 1)[:, 0, 0] >= 0)]
+        assert len(rows) == sum(len(s) for s in seqs)
+        if not packed:
+            assert (got[1, 3:] == -1).all()  # padding

@@ -176,6 +176,13 @@ def test_a_trajectory_whose_text_retokenizes_differently_trains_on_its_tokens(ma
                                algorithm="balanced")
     assert mb.targets.tolist() == completion  # the learner predicts the engine's tokens
     assert [t for t, m in zip(completion, mask.tolist()) if m] == turn * 3
+    # Each policy token carries its turn (the consistency metrics' split; context is turn 0) and, given the
+    # learner's version, its age.
+    turns = batch.token_turns[:len(completion)].tolist()
+    assert [t for t, m in zip(turns, mask.tolist()) if m] == [1] * len(turn) + [2] * len(turn) + [3] * len(turn)
+    assert all(t == 0 for t, m in zip(turns, mask.tolist()) if not m)
+    aged = build_batch(groups, torch.tensor([[1.0, -1.0]]), with_reference=False, version=2)
+    assert set(aged.token_ages.tolist()) == {2} and torch.equal(mb.token_turns, batch.token_turns[:len(completion)])
 
 
 def test_every_ending_is_recorded(make_run):

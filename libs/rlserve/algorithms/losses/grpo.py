@@ -109,8 +109,6 @@ class GrpoLoss(Loss):
                 "is_weight_max": masked_extreme(is_weight, valid, largest=True),
                 "is_weight_min": masked_extreme(is_weight, valid, largest=False),
                 "is_truncated_count": total(truncated),
-                # NeMo-RL's token_mult_prob_error: how far the generator's probabilities are from the learner's.
-                "prob_error_sum": total(torch.exp((prev - gen).abs())),
                 "advantage_sum": total(adv),
                 "token_count": weight.sum(),
                 "seq_count": (tokens_per_seq > 0).float().sum(),
