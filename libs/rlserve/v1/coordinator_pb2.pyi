@@ -16,6 +16,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_CANCELLED: _ClassVar[RunState]
     RUN_STATE_CANCELLING: _ClassVar[RunState]
+    RUN_STATE_PAUSED: _ClassVar[RunState]
 
 class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +40,7 @@ RUN_STATE_SUCCEEDED: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_CANCELLED: RunState
 RUN_STATE_CANCELLING: RunState
+RUN_STATE_PAUSED: RunState
 EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_STATE: EventKind
 EVENT_KIND_STEP: EventKind

@@ -16,7 +16,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base", "priority")
+    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base", "priority", "routed_experts")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GenerateRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     num_samples: int
     sampling: _common_pb2.SamplingParams
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     run_id: str
     shared_base: bool
     priority: float
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ..., priority: _Optional[float] = ...) -> None: ...
+    routed_experts: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ..., priority: _Optional[float] = ..., routed_experts: _Optional[bool] = ...) -> None: ...
 
 class VersionRun(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -44,18 +46,30 @@ class VersionRun(_message.Message):
     def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "version_runs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "version_runs", "routed_experts")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
     text: str
     version_runs: _containers.RepeatedCompositeFieldContainer[VersionRun]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., version_runs: _Optional[_Iterable[_Union[VersionRun, _Mapping]]] = ...) -> None: ...
+    routed_experts: RoutedExperts
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., version_runs: _Optional[_Iterable[_Union[VersionRun, _Mapping]]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+
+class RoutedExperts(_message.Message):
+    __slots__ = ("num_layers", "experts_per_token", "expert_ids")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    experts_per_token: int
+    expert_ids: bytes
+    def __init__(self, num_layers: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("prompt_token_ids", "samples")
