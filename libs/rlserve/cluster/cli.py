@@ -64,7 +64,7 @@ def cmd_users(args: argparse.Namespace) -> int:
     cluster = _cluster(args.cluster)
     path = _users_file(cluster)
     if args.action == "add":
-        token = add_user(path, args.name, args.admin)
+        token = add_user(path, args.name, args.admin, tinker=args.tinker)
         print(token)
         print(f"serve: added {args.name} ({'admin' if args.admin else 'user'}) to {path}; this is the only time "
               f"the token is shown. They pass it to rlserve as RLSERVE_TOKEN, or save it in a file of mode 0600 "
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=["add", "list", "revoke"])
     p.add_argument("name", nargs="?", help="a short folder-safe word (add, revoke)")
     p.add_argument("--admin", action="store_true", help="add: an admin (every run, the internal services)")
+    p.add_argument("--tinker", action="store_true",
+                   help="add: a key of the Tinker SDK's form (`tml-...`), for TINKER_API_KEY; rlserve takes it too")
     p.add_argument("-c", "--cluster", type=Path, help="cluster file (default: the embedded one)")
     p.set_defaults(func=cmd_users)
     p = sub.add_parser("quotas", help="each user's quotas (the cluster file's `tenancy` section)")

@@ -97,6 +97,20 @@ class TransformersEngine(BatchEngine):
                    for i in range(len(rows))]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt: list[int], topk: int, adapter: RunAdapter | None = None
+                        ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """The logprob of every prompt token after the first under the served weights (with `adapter`, that
+        run's), and with `topk` > 0 the `topk` most likely tokens at each of those positions."""
+        self._activate(self._run_adapter(adapter) if adapter else "default" if self._served_adapter else None)
+        ids = torch.tensor([prompt], device=self.device)
+        logp = self.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().tolist()
+        if topk <= 0:
+            return picked, []
+        values, indices = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        return picked, [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices.cpu(), values.cpu())]
+
     def _cut(self, ids: list[int], lps: list[float], stop_ids: set[int], stop_strings: tuple[str, ...]
              ) -> GeneratedSample:
         for k, tok in enumerate(ids):

@@ -22,6 +22,9 @@ from rlserve.security.tokens import check_private, digest, new_token
 
 _ADMIN_WORD = "admin"
 _DIGEST_PREFIX = "sha256:"
+# The Tinker SDK takes only keys that start with this (tinker/lib/_auth_token_provider.py); such a key is an
+# rlserve token like any other (the gRPC endpoint takes it too).
+TINKER_KEY_PREFIX = "tml-"
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,11 @@ def _editing(path: Path) -> Iterator[list[str]]:
         os.close(lock)
 
 
-def add_user(path: Path, name: str, admin: bool) -> str:
+def add_user(path: Path, name: str, admin: bool, tinker: bool = False) -> str:
     """Add `name` with a new token and return the token: the only time it is shown (the file keeps its
-    digest)."""
+    digest). With `tinker` the token has the form the Tinker SDK accepts (`tml-...`)."""
     check_name(name)
-    token = new_token()
+    token = (TINKER_KEY_PREFIX if tinker else "") + new_token()
     with _editing(path) as lines:
         if any(line.split()[:1] == [name] for line in lines):
             raise ValueError(f"user {name!r} exists already; revoke it first to give it a new token")
