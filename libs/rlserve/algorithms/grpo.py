@@ -4,7 +4,7 @@ Beside the steps runs the producer (`rlserve.trajectories.producer`): it plays e
 groups of trajectories as soon as the staleness bound allows and queues them. A step takes the next
 produced step's groups; drops the stale ones (older than the bound), those an environment or a reward
 plug-in failed on, and (by default) those whose samples all scored alike (after DAPO's overlong
-reward shaping, when on) where the estimator sees only rewards; computes advantages
+reward shaping, when on) where the estimator is group-relative; computes advantages
 (`grpo.adv_estimator`, `rlserve.algorithms.advantages`); trains on the rest with `loss_fn`
 (`rlserve.algorithms.losses`); and publishes the new weights to the rollout engines. Every dropped
 trajectory is counted in the ledger with its reason; a step left with nothing to train is skipped
@@ -193,13 +193,13 @@ class Grpo(Algorithm):
         metrics = self._batch_metrics(produced, fresh, scored, rewards, version)
         metrics["timing/wait_for_rollouts_s"] = wait_s
 
-        # 2. Advantages; groups whose samples all scored alike (after reward shaping) carry no signal, unless
-        # the estimator has another one (a distillation teacher's).
+        # 2. Advantages; groups whose samples all scored alike (after reward shaping) carry no signal where the
+        # estimator is group-relative (not REINFORCE++'s batch normalisation, nor a distillation teacher's).
         shaped, shaping_metrics = shaped_rewards(scored, rewards, spec)
         metrics.update(shaping_metrics)
         estimator = advantage_estimator(spec.grpo.adv_estimator, spec.loss_fn)
         keep = torch.ones(len(scored), dtype=torch.bool)
-        if spec.grpo.skip_zero_advantage_groups and scored and estimator.rewards_only:
+        if spec.grpo.skip_zero_advantage_groups and scored and estimator.group_relative:
             keep = ~zero_variance_groups(shaped)
             dropped["zero_advantage"] = self._drop([g for g, k in zip(scored, keep.tolist()) if not k],
                                                    "zero_advantage")

@@ -90,9 +90,11 @@ class AdvantageEstimator(ABC):
 
     # Advantages per token [G, n, T] (True) or one per sample [G, n] (False).
     token_level: ClassVar[bool]
-    # The advantages come from the rewards alone, so a group whose samples scored alike carries no
-    # signal (`grpo.skip_zero_advantage_groups` drops it); False: they carry another signal too.
-    rewards_only: ClassVar[bool] = True
+    # Each sample's advantage is relative to its group's rewards alone, so a group whose samples scored
+    # alike gets zero advantages and carries no signal (`grpo.skip_zero_advantage_groups` drops it).
+    # False: a tied group's advantages are not zero (REINFORCE++ normalises over the whole batch, a
+    # distillation teacher scores every token), and the group trains.
+    group_relative: ClassVar[bool] = True
     # Set by every constructor: the reference policy's logprobs are read.
     needs_reference_logprobs: bool
 

@@ -52,7 +52,7 @@ def formula(coef: float, task_weight: float) -> list[list[list[float]]]:
 def test_each_token_gets_the_clamped_teacher_student_log_ratio_plus_the_weighted_task_advantage(coef, task_weight):
     est = advantage_estimator(AdvEstimatorCfg(name="on_policy_distillation", teacher_kl_coef=coef,
                                               task_reward_weight=task_weight), LossFnCfg())
-    assert est.token_level and est.needs_reference_logprobs and not est.rewards_only
+    assert est.token_level and est.needs_reference_logprobs and not est.group_relative
     got = est(inputs())
     assert torch.allclose(got, torch.tensor(formula(coef, task_weight), dtype=F64), atol=1e-6)
     assert got[~inputs().mask].abs().max() == 0

@@ -116,3 +116,16 @@ def test_without_dynamic_sampling_the_trainer_drops_them_and_trains_half_batches
     asyncio.run(run_to_end(run, services, SETTINGS))
     assert trained_per_step(services) == [PROMPTS // 2 * GENERATIONS] * STEPS
     assert dict(run.ledger.dropped) == {"zero_advantage": STEPS * PROMPTS // 2 * GENERATIONS}
+
+
+def test_reinforce_plus_plus_trains_tied_groups_unless_dynamic_sampling_is_asked_for(make_run):
+    """REINFORCE++ normalises over the batch, so a tied group's advantages are not zero: the trainer keeps
+    it (dropping it would move the other groups' advantages); dynamic sampling still filters it."""
+    estimator = {"adv_estimator": {"name": "reinforce_plus_plus"}}
+    run, _ = make_run(grpo={"max_num_steps": STEPS, **estimator})
+    services = HalfSolved()
+    asyncio.run(run_to_end(run, services, SETTINGS))
+    assert trained_per_step(services) == [PROMPTS * GENERATIONS] * STEPS and not run.ledger.dropped
+    run, _ = make_run("dynamic", grpo={"use_dynamic_sampling": True, "max_num_steps": STEPS, **estimator})
+    asyncio.run(run_to_end(run, HalfSolved(), SETTINGS))
+    assert dict(run.ledger.dropped) == {FILTERED: STEPS * PROMPTS * GENERATIONS}

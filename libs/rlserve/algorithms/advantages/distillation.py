@@ -32,7 +32,7 @@ class OnPolicyDistillationAdvantageEstimator(AdvantageEstimator):
     `teacher.model_name`."""
 
     token_level = True
-    rewards_only = False  # samples that scored alike still carry the teacher's signal
+    group_relative = False  # samples that scored alike still carry the teacher's signal
 
     def __init__(self, cfg: AdvEstimatorCfg, loss_cfg: LossFnCfg):
         self.cfg, self.clamp = cfg, loss_cfg.kl_input_clamp_value
