@@ -1,5 +1,7 @@
 """What supervised runs (`algorithm: sft`, `algorithm: dpo`) share: a step takes the next `batch_size`
-items at the data cursor, builds one TrainBatch and trains one update at the section's constant lr.
+items at the data cursor, builds one TrainBatch and trains one update at the section's lr, shaped by
+`policy.scheduler` (warm-up, then constant or cosine decay over the section's max_num_steps; the spec
+refuses `policy.optimizer.kwargs.lr` for these runs, whose lr is the section's).
 
 The ledger counts items (examples, DPO pairs) as an RL run counts trajectories: generated when taken,
 trained with the STEP event, dropped as `too_long` when nothing within
@@ -17,6 +19,7 @@ from typing import Any, ClassVar
 from rlserve.data.dataset import PromptSampler
 from rlserve.loop.algorithm import Algorithm, AttemptView
 from rlserve.training.batch import TrainBatch
+from rlserve.training.schedule import lr_factor
 from rlserve.v1 import coordinator_pb2 as pb
 
 TOO_LONG = "too_long"
@@ -81,7 +84,8 @@ class Supervised(Algorithm):
                        f"policy.max_total_sequence_length ({max_len})")
             return metrics
         t1 = time.perf_counter()
-        result = await a.train(built.batch, self.loss, cfg.lr)
+        schedule = lr_factor(step, a.inputs.spec.policy.scheduler, self.max_steps)
+        result = await a.train(built.batch, self.loss, cfg.lr * schedule)
         metrics.update(result.metrics)
         metrics["timing/train_s"] = time.perf_counter() - t1
         metrics["timing/step_s"] = time.perf_counter() - t0

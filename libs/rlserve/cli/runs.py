@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from rlserve.clients.coordinator import CoordinatorClient, default_endpoint
+from rlserve.runs.consistency import summary as consistency_summary
 from rlserve.runs.usage import Usage
 from rlserve.v1 import coordinator_pb2 as pb
 
@@ -91,6 +92,9 @@ def _describe(run: pb.Run) -> str:
         lines.append(f"  owner: {run.owner}")
     if run.HasField("usage"):
         lines.append(f"  usage: {_spend(Usage.from_proto(run.usage))}")
+    consistency = consistency_summary(dict(run.last_metrics))
+    if consistency:
+        lines.append(f"  {consistency}")
     if run.error:
         lines.append(f"  error: {run.error}")
     if run.final_model_path:

@@ -7,12 +7,19 @@ verl's).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from rlserve.catalog import ADVANTAGE_ESTIMATORS, LOSSES, SUPERVISED_LOSSES
 from rlserve.config.section import MAX_SEQUENCE_LENGTH, MAX_STEPS, MAX_TRAJECTORIES_PER_STEP, Section
+
+# The consistency metrics (`rlserve.algorithms.mismatch`) a guard may watch: `mismatch/<name>`, or one age or
+# turn bucket's, `mismatch/age_0/<name>`.
+MISMATCH_METRICS = ("token_mult_prob_error", "gen_kl_k3", "logprob_abs_diff_mean", "logprob_abs_diff_max",
+                    "is_truncated_fraction")
+MISMATCH_SCOPE = re.compile(r"^((age_[0-2]|age_3_plus|turn_[1-3]|turn_4_plus)/)?(\w+)$")
 
 # The keys of grpo.adv_estimator each estimator reads (another estimator's, set off its default, is refused).
 ESTIMATOR_KEYS = {"grpo": ("normalize_rewards", "use_leave_one_out_baseline"),
@@ -52,6 +59,34 @@ class AdvEstimatorCfg(Section):
         return self
 
 
+class MismatchGuardCfg(Section):
+    """What a run does when the generator's logprobs drift from the learner's (`rlserve.loop.consistency`):
+    after every step, `mismatch/<metric>` above `max` emits a WARNING event naming the step, the metric,
+    its value and the likely causes, then `warn` goes on, `pause` saves a checkpoint and stops the run
+    PAUSED (`rlserve submit --resume` continues it), `fail` fails it.
+
+    The default, NeMo-RL's nightly bound on token_mult_prob_error (its recipes fail at a median of 1.1),
+    is far above a healthy run's: 1.0000 between fp32 engines and the learner on CPU, 1.017 between bf16
+    vLLM and the bf16 learner of the 1b preset on an H200 (BENCHMARKS.md), while weights that did not
+    reach the engine put it at 1.5 and more from the first step after."""
+
+    enabled: bool = True
+    # A name of MISMATCH_METRICS, optionally scoped to an age or turn bucket ("age_0/logprob_abs_diff_max":
+    # the tokens of the newest weights only, which leaves an async run's staleness out).
+    metric: str = "token_mult_prob_error"
+    max: float = Field(1.1, gt=0, le=1e6)
+    action: Literal["warn", "pause", "fail"] = "warn"
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        match = MISMATCH_SCOPE.match(v)
+        if match is None or match.group(3) not in MISMATCH_METRICS:
+            raise ValueError(f"unknown consistency metric {v!r}; valid: {', '.join(MISMATCH_METRICS)}, each "
+                             f"optionally after age_0/ .. age_2/, age_3_plus/, turn_1/ .. turn_3/ or turn_4_plus/")
+        return v
+
+
 class LossFnCfg(Section):
     # The loss of the GRPO steps: grpo, cispo, or an enabled plug-in's (`rlserve.catalog`); the SFT warm
     # start always uses "sft".
@@ -80,6 +115,8 @@ class LossFnCfg(Section):
     # over its tokens), for both the PPO ratio and the generator correction.
     sequence_level_importance_ratios: bool = False
     token_level_loss: bool = True
+    # The generator-vs-learner consistency guard, checked after every step of an RL run.
+    mismatch_guard: MismatchGuardCfg = MismatchGuardCfg()
 
     @field_validator("name")
     @classmethod
@@ -123,6 +160,16 @@ class LossFnCfg(Section):
                                  f"truncated_importance_sampling_ratio {hi}")
         return self
 
+    def warnings(self) -> list[str]:
+        """What a valid section still gets wrong, for the run's WARNING events."""
+        fields = type(self).model_fields
+        if self.name == "cispo" and all(getattr(self, k) == fields[k].default
+                                        for k in ("ratio_clip_min", "ratio_clip_max")):
+            return ["loss_fn.name: cispo with PPO's clip range (ratio_clip_min and ratio_clip_max at 0.2): this is not "
+                    "the paper's CISPO, which sets no lower bound on the weight and a wide upper one (MiniMax-M1: "
+                    "ratio_clip_min: 1.0; examples/grpo_addition_cispo.yaml uses ratio_clip_max: 5.0)"]
+        return []
+
 
 class RewardShapingCfg(Section):
     """DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, section 3.4): a completion
@@ -145,7 +192,9 @@ class RewardShapingCfg(Section):
 
 class SftCfg(Section):
     """Supervised training on the data's reference answers (assistant turns): the warm start before GRPO
-    (`enabled`), or an `algorithm: sft` run (then `enabled` stays false). Constant lr, one update per step."""
+    (`enabled`), or an `algorithm: sft` run (then `enabled` stays false). One update per step at `lr`: constant
+    in the warm start; in an `algorithm: sft` run shaped by `policy.scheduler` (warm-up, cosine decay over
+    sft.max_num_steps)."""
 
     enabled: bool = False
     max_num_steps: int = Field(300, ge=1, le=MAX_STEPS)
@@ -158,7 +207,8 @@ class SftCfg(Section):
 
 class DpoCfg(Section):
     """An `algorithm: dpo` run (Rafailov et al. 2023, `rlserve.algorithms.losses.dpo`) on a preference file;
-    NeMo-RL's `dpo` keys. Constant lr, one update per step."""
+    NeMo-RL's `dpo` keys. One update per step at `lr`, shaped by `policy.scheduler` (warm-up, cosine decay
+    over dpo.max_num_steps)."""
 
     max_num_steps: int = Field(100, ge=1, le=MAX_STEPS)
     # Preference pairs per step (two sequences each; NeMo-RL: policy.train_global_batch_size).

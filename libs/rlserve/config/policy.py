@@ -186,6 +186,11 @@ class PolicyCfg(Section):
     megatron_cfg: MegatronCfg = MegatronCfg()
     generation: GenerationCfg = GenerationCfg()
     sequence_packing: SequencePackingCfg = SequencePackingCfg()
+    # MoE routing replay (R3: Ma et al. 2025, arXiv:2510.11370): the rollout records the experts each
+    # token was routed to, and the learner's forward passes route every token to those experts (the
+    # gating weights still from its own router), so both sides run the same experts. Mixtral- and
+    # Qwen3-MoE-shaped models, on a rollout engine that records routing (`rlserve.models.moe_routing`).
+    routing_replay: bool = False
 
     @field_validator("model_name")
     @classmethod

@@ -414,6 +414,9 @@ class RunSpec(Section):
         if self.policy.dtensor_cfg.enabled and self.cluster.num_workers % tp:
             raise ValueError(
                 f"policy.dtensor_cfg.tensor_parallel_size: {tp} must divide cluster.num_workers "
+        if self.loss_fn.mismatch_guard.action == "pause" and not self.checkpointing.enabled:
+            raise ValueError("loss_fn.mismatch_guard.action: pause keeps the run resumable from a checkpoint; it "
+                             "needs checkpointing.enabled")
                 f"({self.cluster.num_workers})")
         return self
 
@@ -472,6 +475,10 @@ class RunSpec(Section):
         """Where DAPO's overlong penalty reaches its full weight."""
         return self.grpo.reward_shaping.max_response_length or self.policy.generation.max_new_tokens
 
+        kwargs = self.policy.optimizer.kwargs
+        if kwargs.lr != type(kwargs).model_fields["lr"].default:
+            raise ValueError(f"policy.optimizer.kwargs.lr: an algorithm: {self.algorithm} run trains at "
+                             f"{self.algorithm}.lr (policy.scheduler shapes it); set that instead")
     @property
     def batch_size(self) -> int:
         """Trajectories per GRPO step."""

@@ -6,8 +6,10 @@ watchdog.
                validated; validate at the start (the run's baseline)
     step       the algorithm's (`rlserve.algorithms.*`); work it runs beside the steps (an RL run's
                producer) fails the attempt with it
-    epilogue   validation when due, the step recorded (metrics, ledger, STEP event), a checkpoint every
-               `checkpointing.save_period` steps, a stop when the algorithm asks for one
+    epilogue   validation when due, the consistency guard (`consistency.py`: the generator's logprobs against
+               the learner's, `loss_fn.mismatch_guard`), the step recorded (metrics, ledger, STEP event), a
+               checkpoint every `checkpointing.save_period` steps (and before a pause the guard asks for),
+               a stop when the algorithm asks for one
     finish     save the final policy and the plot; check that the ledger balances and something trained
 
 `recovery.run_to_end` runs attempts until the run ends; an attempt owns all its state (a recovery
@@ -23,13 +25,15 @@ from pathlib import Path
 
 from rlserve.loop.algorithm import Algorithm
 from rlserve.loop.checkpoints import Checkpoints, step_dir
+from rlserve.loop.consistency import ConsistencyGuard
 from rlserve.loop.inputs import LoopSettings, RunInputs
 from rlserve.loop.learner import configure_learner
 from rlserve.loop.services import RunServices
 from rlserve.loop.state import LoopState
 from rlserve.loop.sync import WeightSync
 from rlserve.loop.validation import Validator
-from rlserve.runs.record import Run
+from rlserve.runs.consistency import summary as consistency_summary
+from rlserve.runs.record import Run, RunPaused
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import learner_pb2
@@ -102,6 +106,9 @@ class Attempt:
             self.state.version = 0
             run.emit(pb.EVENT_KIND_INFO, f"learner ready for {self.inputs.spec.algorithm}: {info.backend} backend, "
                      f"{info.parallel_layout}, {info.num_parameters / 1e6:.2f}M parameters on {info.device}")
+            if algorithm.samples_from_policy:
+                for warning in self.inputs.spec.loss_fn.warnings():
+                    run.emit(pb.EVENT_KIND_WARNING, warning)
         baseline = not restored and algorithm.validates_at_start()
         if algorithm.samples_from_policy or baseline:
             await self.sync.publish()
@@ -111,6 +118,7 @@ class Attempt:
     async def _steps(self) -> None:
         """Every step up to the algorithm's max_num_steps, each followed by its epilogue."""
         run, algorithm, state, spec = self.run, self.algorithm, self.state, self.inputs.spec
+        guard = ConsistencyGuard(spec, [r for r in run.recorder.read("metrics.jsonl") if 0 < r["step"] <= state.step])
         for step in range(state.step, algorithm.max_steps):
             metrics = await algorithm.step(step)
             done = step + 1
@@ -118,16 +126,25 @@ class Attempt:
             if algorithm.validation_due(done):
                 await self.sync.ensure_published(state.version)
                 metrics.update(await self.validator.validate(done))
+            crossing = guard.check(done, metrics)
             state.step = done
             algorithm.after_step(done, state.version)
             # Counted as trained only with the STEP event that announces them: a fault before this point
             # (weight sync, validation) leaves them in flight, and the rewind drops them as `recovered`.
             run.record_step(done, state.version, metrics)
             self.progress()
+            if crossing is not None:
+                run.emit(pb.EVENT_KIND_WARNING, crossing.message)
             stop = algorithm.stop_reason(metrics)
-            if spec.checkpointing.enabled and done % spec.checkpointing.save_period == 0 and not (last or stop):
+            pause = crossing is not None and crossing.action == "pause" and not (last or stop)
+            if spec.checkpointing.enabled and (pause or done % spec.checkpointing.save_period == 0) and not (
+                    last or stop):
                 await self.checkpoints.save(done, algorithm)
             run.save()
+            if crossing is not None and crossing.action == "fail":
+                raise RuntimeError(f"loss_fn.mismatch_guard: {crossing.message}")
+            if pause:
+                raise RunPaused(f"loss_fn.mismatch_guard: {crossing.message}")
             if stop:
                 run.emit(pb.EVENT_KIND_INFO, f"{stop} at step {done}; stopping")
                 return
@@ -165,7 +182,8 @@ class Attempt:
             summary += f", preference accuracy {last['dpo/accuracy']:.2f}"
         if "val/reward" in last and self.state.initial_val is not None:
             summary += f"; held-out reward: before {self.state.initial_val:.2f} after {last['val/reward']:.2f}"
-        return summary
+        consistency = consistency_summary(last)
+        return summary + (f"; {consistency}" if consistency else "")
 
     async def _watchdog(self) -> None:
         """Fail a run that makes no progress, rather than let it hang silently."""

@@ -31,7 +31,8 @@ its owner. The tenancy policy (`rlserve.tenancy`, read live from the cluster
 file) bounds the queue, the runs that train at once, and per user their
 unfinished runs, their waiting runs, a run's size and its priority.
 
-States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLING -> CANCELLED.
+States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | PAUSED | CANCELLING -> CANCELLED (PAUSED: the
+consistency guard stopped it after a checkpoint; `resume` continues it like a FAILED run).
 A run that ends has a balanced ledger: what was in flight when it failed or
 was cancelled is dropped with reason `failed` or `cancelled`. A cancelled
 run is CANCELLED within `cancel_grace_s`: a task still winding down by then
@@ -50,10 +51,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlserve.catalog import ALGORITHMS
 from rlserve.config import RunSpec, SpecError, spec_to_yaml
 from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
-from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run
+from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run, RunPaused
 from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import RunAccess
 from rlserve.security.principal import SYSTEM, Principal
@@ -218,14 +220,17 @@ class RunManager:
         access = self._run_access(caller)
         stored = await self.admission.check(await self._load_spec((run_dir / "spec.yaml").read_text(), caller),
                                             access)
-        spec, key = stored, f"{stored.algorithm}.max_num_steps"
+        section = ALGORITHMS[stored.algorithm].section
+        spec, key = stored, f"{section}.max_num_steps"
         if spec_yaml.strip():
             spec = await self.admission.check(await self._load_spec(spec_yaml, caller), access)
             mine, theirs = stored.model_dump(mode="json"), spec.model_dump(mode="json")
-            mine[stored.algorithm].pop("max_num_steps")
-            theirs[stored.algorithm].pop("max_num_steps")
+            for dump in (mine, theirs):  # a run the consistency guard paused may resume under another bound
+                dump[section].pop("max_num_steps")
+                dump["loss_fn"].pop("mismatch_guard")
             if mine != theirs:
-                raise invalid_argument("spec_yaml", f"when resuming, only {key} may change")
+                raise invalid_argument("spec_yaml", f"when resuming, only {key} and loss_fn.mismatch_guard may "
+                                                    f"change")
         if earlier is not None and earlier.state in (pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_CANCELLED) and (
                 not spec_yaml.strip() or spec.max_num_steps <= earlier.step):
             raise failed_precondition(
@@ -413,6 +418,8 @@ class RunManager:
                 # coordinator resumes it.
                 raise
             self._end(slot, pb.RUN_STATE_CANCELLED, f"by CancelRun at step {run.step}", "cancelled")
+        except RunPaused as err:
+            self._end(slot, pb.RUN_STATE_PAUSED, str(err), "paused")
         except Exception as err:  # noqa: BLE001 - a run's failure is its state, never the coordinator's
             log.exception("run %s failed", run.run_id)
             self._end(slot, pb.RUN_STATE_FAILED, clean(str(err)) or type(err).__name__, "failed")  # no tracebacks

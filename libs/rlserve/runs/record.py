@@ -31,11 +31,18 @@ from rlserve.security.principal import LEGACY_USER
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
-TERMINAL = frozenset({pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED})
+# A PAUSED run has ended for now (its watchers stop, it holds no slot) and resumes from its checkpoint.
+TERMINAL = frozenset({pb.RUN_STATE_SUCCEEDED, pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_PAUSED})
 STATE_NAMES = {v: pb.RunState.Name(v).removeprefix("RUN_STATE_").lower() for v in pb.RunState.values()}
 _STATES = {name: value for value, name in STATE_NAMES.items()}
 _KIND_NAMES = {v: pb.EventKind.Name(v).removeprefix("EVENT_KIND_").lower() for v in pb.EventKind.values()}
 _KINDS = {name: value for value, name in _KIND_NAMES.items()}
+
+
+class RunPaused(Exception):
+    """The loop stopped the run resumably (a checkpoint holds the step it stopped at); the message says why."""
+
+
 # The owner of a run recorded before runs had owners: the principal of the single `token` file.
 LEGACY_OWNER = LEGACY_USER
 
@@ -205,9 +212,9 @@ class Run:
             pass  # no event loop: nobody can be watching
 
     def set_state(self, state: int, detail: str = "") -> None:
-        """Change state (detail: why a run failed or was cancelled; it becomes `error`)."""
+        """Change state (detail: why a run failed, was cancelled or paused; it becomes `error`)."""
         self._state = state
-        self._error = detail if state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED) else ""
+        self._error = detail if state in (pb.RUN_STATE_FAILED, pb.RUN_STATE_CANCELLED, pb.RUN_STATE_PAUSED) else ""
         self.save()
         self.emit(pb.EVENT_KIND_STATE, STATE_NAMES[state] + (f": {detail}" if detail else ""))
 

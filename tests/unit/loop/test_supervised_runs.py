@@ -115,3 +115,24 @@ def test_a_pair_too_long_to_train_is_dropped_with_its_reason(make_run, tmp_path)
     asyncio.run(run_to_end(run, services, SETTINGS))
     assert run.ledger.dropped == {"too_long": 1} and balanced_as_announced(run)
     assert sum(b.num_seqs for b in services.batches) == 2 * 35
+
+
+def test_supervised_runs_follow_the_policy_scheduler_and_refuse_the_policy_optimizer_lr(make_run):
+    """The section's lr is the base the policy's scheduler shapes (warm-up, cosine decay over the run's
+    steps); `policy.optimizer.kwargs.lr`, which would be ignored, is refused naming the key."""
+    import pytest
+
+    from rlserve.config import parse_spec
+
+    run, _ = make_run(algorithm="sft", sft={"max_num_steps": 4, "batch_size": 8, "val_period": 4, "lr": 0.01,
+                                            "stop_at_val_reward": None},
+                      policy={"scheduler": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.0}})
+    services = Recording()
+    asyncio.run(run_to_end(run, services, SETTINGS))
+    lrs = [req.learning_rate for req, _ in services.calls.train]
+    assert lrs == pytest.approx([0.005, 0.01, 0.01, 0.005])  # warm-up 1/2, 2/2; cosine at 0 and 1/2
+    for algorithm in ("sft", "dpo"):
+        with pytest.raises(ValueError, match=f"policy.optimizer.kwargs.lr: an algorithm: {algorithm} run trains at "
+                                             f"{algorithm}.lr"):
+            parse_spec({"algorithm": algorithm, "data": {"task": "jsonl", "train_path": "x.jsonl"},
+                        "policy": {"optimizer": {"kwargs": {"lr": 3e-5}}}})

@@ -232,3 +232,31 @@ def test_the_queue_is_bounded(tmp_path):
         await m.submit(SPEC, "c", False, SYSTEM)  # room again
         assert (await until_done(m, "c")).state == pb.RUN_STATE_SUCCEEDED
     asyncio.run(main())
+
+
+def test_a_paused_run_holds_no_slot_and_resumes_without_extending_it_under_another_guard(tmp_path):
+    """The consistency guard's pause: PAUSED with the reason as its error, terminal for watchers and quotas,
+    and a resume continues it (its guard may change, nothing else but the steps)."""
+    from rlserve.runs.record import RunPaused
+
+    async def main():
+        calls = []
+
+        async def body(run):
+            calls.append(run.spec.loss_fn.mismatch_guard.action)
+            if len(calls) == 1:
+                raise RunPaused("loss_fn.mismatch_guard: step 1: too far")
+            run.record_step(run.spec.max_num_steps, 0, {"batch/trajectories_trained": 0.0})
+
+        m = RunManager(tmp_path, body, RefuseByName(None), preflight_timeout_s=5)
+        await m.submit(SPEC.replace("name: unit", "name: unit\nloss_fn: {mismatch_guard: {action: pause}}"), "p",
+                       False, SYSTEM)
+        paused = await until_done(m, "p")
+        assert paused.state == pb.RUN_STATE_PAUSED and paused.error == "loss_fn.mismatch_guard: step 1: too far"
+        with pytest.raises(RpcError) as err:
+            await m.submit(SPEC.replace("name: unit", "name: other"), "p", True, SYSTEM)
+        assert "only grpo.max_num_steps and loss_fn.mismatch_guard may change" in err.value.message
+        await m.submit(SPEC.replace("name: unit", "name: unit\nloss_fn: {mismatch_guard: {action: warn}}"), "p",
+                       True, SYSTEM)
+        assert (await until_done(m, "p")).state == pb.RUN_STATE_SUCCEEDED and calls == ["pause", "warn"]
+    asyncio.run(main())
