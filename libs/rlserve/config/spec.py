@@ -396,6 +396,9 @@ class RunSpec(Section):
                 f"response length it ends at ({self.max_response_length}: grpo.reward_shaping.max_response_length "
                 f"or policy.generation.max_new_tokens)")
         self._check_kl_in_reward()
+        if self.loss_fn.mismatch_guard.action == "pause" and not self.checkpointing.enabled:
+            raise ValueError("loss_fn.mismatch_guard.action: pause keeps the run resumable from a checkpoint; it "
+                             "needs checkpointing.enabled")
         self._check_distillation()
         self._check_run_type()
         if gen.max_new_tokens >= self.policy.max_total_sequence_length:
@@ -414,9 +417,6 @@ class RunSpec(Section):
         if self.policy.dtensor_cfg.enabled and self.cluster.num_workers % tp:
             raise ValueError(
                 f"policy.dtensor_cfg.tensor_parallel_size: {tp} must divide cluster.num_workers "
-        if self.loss_fn.mismatch_guard.action == "pause" and not self.checkpointing.enabled:
-            raise ValueError("loss_fn.mismatch_guard.action: pause keeps the run resumable from a checkpoint; it "
-                             "needs checkpointing.enabled")
                 f"({self.cluster.num_workers})")
         return self
 
@@ -453,6 +453,10 @@ class RunSpec(Section):
             raise ValueError(f"sft.enabled: the SFT warm start comes before GRPO; an algorithm: {self.algorithm} run "
                              f"trains from policy.model_name itself" + (" with the sft section's settings"
                                                                         if self.algorithm == "sft" else ""))
+        kwargs = self.policy.optimizer.kwargs
+        if kwargs.lr != type(kwargs).model_fields["lr"].default:
+            raise ValueError(f"policy.optimizer.kwargs.lr: an algorithm: {self.algorithm} run trains at "
+                             f"{self.algorithm}.lr (policy.scheduler shapes it); set that instead")
         if self.policy.lora.enabled:
             raise ValueError(f"{self.policy.lora_key}.enabled: LoRA trains in RL runs only; an algorithm: "
                              f"{self.algorithm} run trains every weight")
@@ -475,10 +479,6 @@ class RunSpec(Section):
         """Where DAPO's overlong penalty reaches its full weight."""
         return self.grpo.reward_shaping.max_response_length or self.policy.generation.max_new_tokens
 
-        kwargs = self.policy.optimizer.kwargs
-        if kwargs.lr != type(kwargs).model_fields["lr"].default:
-            raise ValueError(f"policy.optimizer.kwargs.lr: an algorithm: {self.algorithm} run trains at "
-                             f"{self.algorithm}.lr (policy.scheduler shapes it); set that instead")
     @property
     def batch_size(self) -> int:
         """Trajectories per GRPO step."""
