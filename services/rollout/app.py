@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import replace
 
 from pydantic import Field
 from ray import serve
@@ -29,6 +30,7 @@ from rlserve.rollout.adapters import RunAdapters
 from rlserve.rollout.fair_generation import FairGeneration
 from rlserve.rollout.follower import WeightFollower
 from rlserve.rollout.interfaces import EngineConfig, EngineSettings, InvalidRequest, RunAdapter, SamplingSpec
+from rlserve.rollout.samples import completions_proto
 from rlserve.rpc import aborted, failed_precondition, grpc_method, invalid_argument
 from rlserve.security.paths import PathsArgs
 from rlserve.v1 import common_pb2, rollout_pb2
@@ -37,9 +39,6 @@ from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME, get_store
 
 log = logging.getLogger("rlserve.rollout")
-
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "abort": common_pb2.FINISH_REASON_ABORT}
 
 
 class RolloutArgs(EngineSettings):
@@ -140,7 +139,10 @@ class Rollout:
 
     @grpc_method
     async def Generate(self, request: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
-        sampling = sampling_from_proto(request.sampling)
+        sampling = replace(sampling_from_proto(request.sampling), routed_experts=request.routed_experts)
+        if request.routed_experts and self.engine.routing_unavailable:
+            raise failed_precondition(f"routed_experts: the {self.info.engine} engine cannot record MoE routing "
+                                      f"({self.engine.routing_unavailable})")
         if not 0 <= request.num_samples <= self.args.max_samples:
             raise invalid_argument("num_samples", f"must be in 0..{self.args.max_samples}, got {request.num_samples}")
         if not 0 <= request.priority <= MAX_PRIORITY:
@@ -184,13 +186,7 @@ class Rollout:
         except InvalidRequest as err:  # the engine's own validation: the caller's mistake, not retried
             raise invalid_argument("sampling", str(err)) from None
         engine_seconds = time.perf_counter() - t0
-        completions = [
-            rollout_pb2.Completion(prompt_token_ids=ids, samples=[
-                rollout_pb2.Sample(token_ids=s.token_ids, logprobs=s.logprobs,
-                                   finish_reason=_FINISH[s.finish_reason], text=s.text,
-                                   version_runs=[rollout_pb2.VersionRun(version=r.version, start=r.start, end=r.end)
-                                                 for r in s.version_runs]) for s in samples])
-            for ids, samples in zip(prompts, outputs)]
+        completions = completions_proto(prompts, outputs)
         oldest = min(s.oldest_version for samples in outputs for s in samples)
         return rollout_pb2.GenerateResponse(completions=completions, weight_version=oldest,
                                             replica_id=self.replica_id, engine_seconds=engine_seconds,
@@ -247,7 +243,7 @@ class Rollout:
             gpu_memory_utilization=self.args.gpu_memory_utilization, enforce_eager=self.args.enforce_eager,
             weight_transfer=self.engine.transfer_backend or "", activity=self._activity(),
             run_id=self.weights.run_id, lora_enabled=self.args.enable_lora, max_loras=self.args.max_loras,
-            max_lora_rank=self.args.max_lora_rank,
+            max_lora_rank=self.args.max_lora_rank, routing_unavailable=self.engine.routing_unavailable,
             adapters=[rollout_pb2.RunAdapter(run_id=r, version=v) for r, v in sorted(self.adapters.versions().items())])
 
 

@@ -6,8 +6,10 @@ that vLLM's numbers are compared with. Same contract as the vLLM engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlserve.devices import resolve_device
 from rlserve.dtypes import torch_dtype
-from rlserve.models import generation
+from rlserve.models import generation, moe_routing
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint, to_checkpoint
 from rlserve.rollout.interfaces import (
@@ -49,6 +51,7 @@ class TransformersEngine(BatchEngine):
             self.transfer_backend = handoff.BACKEND
         self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
         self.model.eval()
+        self.routing_unavailable = "" if moe_routing.is_moe(self.model) else "the model has no MoE layers"
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.eos_ids = generation.eos_ids(self.model, self.tokenizer)
         self.pad_id = generation.pad_id(self.tokenizer, self.eos_ids)
@@ -69,7 +72,29 @@ class TransformersEngine(BatchEngine):
         width = input_ids.shape[1]
         greedy = sampling.temperature == 0
         stop_ids = {*self.eos_ids, *sampling.stop_token_ids}
-        out = self.model.generate(
+        with moe_routing.capture(self.model) if sampling.routed_experts else contextlib.nullcontext() as calls:
+            out = self._generate(input_ids, attention, greedy, sampling, stop_ids)
+        new_ids = out.sequences[:, width:]
+        # Raw (temperature-1) logits of each step, as vLLM reports its logprobs, gathered one step at a
+        # time: stacking every step's [rows, vocab] and taking log_softmax of the stack made two more
+        # rows x tokens x vocab fp32 copies on the device (17 GB for 128 x 512 tokens of a 32k vocabulary;
+        # the H200's 1b benchmark saw the rollout replica reach 96 GiB). These are the full vocabulary's
+        # logprobs whatever top-p and top-k cut (what the learner computes): not the truncated
+        # distribution's, renormalised over the kept tokens.
+        picked = torch.stack([step.float().log_softmax(-1).gather(-1, new_ids[:, t:t + 1]).squeeze(-1)
+                              for t, step in enumerate(out.logits)], dim=1).cpu()
+        new_tokens = new_ids.cpu()
+        samples = [self._cut(new_tokens[i].tolist(), picked[i].tolist(), stop_ids, sampling.stop_strings)
+                   for i in range(len(rows))]
+        if calls is not None:
+            samples = [replace(s, routed_experts=moe_routing.sample_routes(
+                calls, i, width - len(rows[i]), len(rows[i]), len(rows), len(s.token_ids)))
+                for i, s in enumerate(samples)]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate(self, input_ids: torch.Tensor, attention: torch.Tensor, greedy: bool, sampling: SamplingSpec,
+                  stop_ids: set[int]):
+        return self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             do_sample=not greedy,
@@ -85,17 +110,6 @@ class TransformersEngine(BatchEngine):
             output_logits=True,
             return_dict_in_generate=True,
         )
-        new_ids = out.sequences[:, width:]
-        # Raw (temperature-1) logits of each step, as vLLM reports its logprobs, gathered one step at a
-        # time: stacking every step's [rows, vocab] and taking log_softmax of the stack made two more
-        # rows x tokens x vocab fp32 copies on the device (17 GB for 128 x 512 tokens of a 32k vocabulary;
-        # the H200's 1b benchmark saw the rollout replica reach 96 GiB).
-        picked = torch.stack([step.float().log_softmax(-1).gather(-1, new_ids[:, t:t + 1]).squeeze(-1)
-                              for t, step in enumerate(out.logits)], dim=1).cpu()
-        new_tokens = new_ids.cpu()
-        samples = [self._cut(new_tokens[i].tolist(), picked[i].tolist(), stop_ids, sampling.stop_strings)
-                   for i in range(len(rows))]
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompt: list[int], topk: int, adapter: RunAdapter | None = None

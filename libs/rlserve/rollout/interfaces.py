@@ -33,6 +33,10 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # vLLM: record the experts a MoE model routes each token to (its `enable_return_routed_experts`,
+    # Model Runner V2 on GPUs: not on vLLM's CPU backend), for runs with policy.routing_replay. The
+    # transformers engine records routing of any MoE model without it.
+    routed_experts: bool = False
     max_model_len: int = Field(256, ge=8)
     seed: int = 0
     tensor_parallel_size: int = Field(1, ge=1)
@@ -90,6 +94,9 @@ class SamplingSpec:
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Also record the experts a MoE model routed each position to (`GeneratedSample.routed_experts`), for
+    # routing replay in the learner; only on an engine that `records_routing`.
+    routed_experts: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,9 @@ class GeneratedSample:
     text: str = ""
     # Which weight version produced which tokens, in order, covering every token.
     version_runs: tuple[VersionRun, ...] = ()
+    # With SamplingSpec.routed_experts: int16 [positions, moe_layers, experts_per_token], the experts of
+    # every position of prompt + sample but the last (no forward pass routes the last token).
+    routed_experts: torch.Tensor | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -164,6 +174,8 @@ class RolloutEngine(ABC):
     # Sequences the engine generates at once (vLLM's max_num_seqs; 1 for an engine that takes one
     # request at a time): the capacity runs share fairly (`rlserve.tenancy.fair_share`).
     max_running_sequences: int = 1
+    # It records MoE routing when asked (`SamplingSpec.routed_experts`); "" if it does, else why not.
+    routing_unavailable: str = "the engine records no MoE routing"
 
     @abstractmethod
     async def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
@@ -243,6 +255,8 @@ class BatchEngine(ABC):
     # (`rlserve.weights.handoff`, into `device`); None: the weight store only.
     transfer_backend: str | None = None
     device: torch.device
+    # As `RolloutEngine.routing_unavailable`.
+    routing_unavailable: str = "the engine records no MoE routing"
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,

@@ -44,6 +44,7 @@ class Serialized(RolloutEngine):
         self._activity = Activity()
         # A same-device handoff stages the bytes while the engine generates; the model changes at finish.
         self.transfer_backend = engine.transfer_backend
+        self.routing_unavailable = engine.routing_unavailable
         self._receiver = HandoffReceiver(engine.device) if engine.transfer_backend else None
 
     @property

@@ -17,6 +17,12 @@ requests to finish first (`mode="wait"`), so a sample never spans versions.
 vLLM labels each sample's tokens with the versions that produced them
 (`CompletionOutput.weight_versions`); those labels become `version_runs`.
 
+Logprobs are vLLM's `raw_logprobs`: the model's own temperature-1 distribution over the whole
+vocabulary, before temperature, top-p and top-k, which is what the learner computes (never the
+sampler's renormalised `processed_logprobs`). With `routed_experts` (GPUs: vLLM's routed-experts
+capture needs its Model Runner V2) every sample carries the experts of every position, for routing
+replay in the learner; vLLM's CPU backend has no capture.
+
 Only one update runs at a time (`_updating`): a direct transfer holds it from
 `start_weight_update` until `finish`/`abort`.
 
@@ -99,11 +105,16 @@ class VllmEngine(RolloutEngine):
         self.transfer_backend = None if cfg.weight_transfer == "none" else cfg.weight_transfer
         self.num_transfer_workers = cfg.tensor_parallel_size
         self.max_running_sequences = cfg.max_num_seqs
+        cpu = not torch.cuda.is_available()
+        self.routing_unavailable = "" if cfg.routed_experts else (
+            "vLLM's routed-experts capture needs its Model Runner V2, on GPUs only: serve the run on the "
+            "transformers engine" if cpu else "started without routed_experts in the rollout's args")
+        if cfg.routed_experts and cpu:
+            raise ValueError(f"routed_experts: {self.routing_unavailable}")
         self.llm = self._start(cfg.model_path)
         self._tokenizer = self.llm.get_tokenizer()
         self._vocab_size = self.llm.model_config.get_vocab_size()
         quantization = self.llm.model_config.quantization
-        cpu = not torch.cuda.is_available()
         self.reload_mode = "rebuild" if cfg.weight_reload == "rebuild" or (cpu and quantization) else "in_place"
         self._rebuilt_from: Path | None = None  # the folder of the weights a rebuilt engine runs
         if self.reload_mode == "rebuild":
@@ -160,6 +171,9 @@ class VllmEngine(RolloutEngine):
             # vLLM's own stat loggers are unused (the engine reports `Activity`); computing them costs
             # the replica per-step work for every request.
             disable_log_stats=True,
+            # The full vocabulary's temperature-1 logprobs whatever top-p/top-k cut: the learner's distribution.
+            logprobs_mode="raw_logprobs",
+            **({"enable_return_routed_experts": True} if cfg.routed_experts else {}),
             weight_transfer_config=WeightTransferConfig(backend=self.transfer_backend) if self.transfer_backend else None,
             **({"enable_lora": True, "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank}
                if cfg.enable_lora else {}),
@@ -246,9 +260,10 @@ class VllmEngine(RolloutEngine):
                 final = out
         finally:
             self._activity.request_finished(sum(len(o.token_ids) for o in final.outputs) if final else 0)
-        return [self._sample(o, params.detokenize, adapter) for o in final.outputs]
+        return [self._sample(o, params.detokenize, adapter, len(ids) if sampling.routed_experts else None)
+                for o in final.outputs]
 
-    def _sample(self, o, detokenized: bool, adapter: RunAdapter | None) -> GeneratedSample:
+    def _sample(self, o, detokenized: bool, adapter: RunAdapter | None, prompt_len: int | None) -> GeneratedSample:
         ids = list(o.token_ids)
         logprobs = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
         if adapter is not None:  # a run's adapter version is fixed for its requests (vLLM's label is the base's)
@@ -257,7 +272,13 @@ class VllmEngine(RolloutEngine):
             runs = tuple(VersionRun(_version_of(s.version), s.start, s.end) for s in o.weight_versions or []) or \
                 (VersionRun(self._version, 0, len(ids)),)
         text = o.text if detokenized else self._tokenizer.decode(ids, skip_special_tokens=True)
-        return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), text, runs)
+        routes = None
+        if prompt_len is not None:
+            if o.routed_experts is None:
+                raise RuntimeError("vLLM returned no routed experts (is the model a mixture of experts?)")
+            # [positions, layers, k] of prompt + sample; the last token's (if vLLM reports one) is not needed.
+            routes = torch.as_tensor(o.routed_experts).to(torch.int16)[:prompt_len + len(ids) - 1]
+        return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), text, runs, routes)
 
     # --- weight updates ----------------------------------------------------------------
 

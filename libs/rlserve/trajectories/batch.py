@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
 import torch
 
 from rlserve.algorithms.interfaces import AdvantageInputs
 from rlserve.training.batch import TrainBatch
-from rlserve.trajectories.trajectory import Group
+from rlserve.trajectories.trajectory import Group, Trajectory
 
 
 def advantage_inputs(groups: list[Group], rewards: torch.Tensor, with_reference: bool) -> AdvantageInputs:
@@ -31,8 +34,9 @@ def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: b
     from a token-level estimator. With `version` (the learner's at this step) each token carries its age
     in versions, and in a batch of multi-turn episodes its turn (the consistency metrics' splits)."""
     seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps, masks = [], [], [], [], [], [], []
-    ages, turns = [], []
+    ages, turns, routes = [], [], []
     multi_turn = any(t.turns > 1 for g in groups for t in g.trajectories)
+    dims = next((t.route_dims for g in groups for t in g.trajectories if t.routes), None)
     per_token = advantages.dim() == 3
     for g, adv in zip(groups, advantages.tolist()):
         for j, t in enumerate(g.trajectories):
@@ -49,9 +53,23 @@ def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: b
             if version is not None:
                 ages.append([version - v for v in t.token_versions(g.weight_version)])
             turns.append(t.token_turns())
+            if dims is not None:
+                routes.append(route_rows(t, len(g.prompt_ids) + len(t.tokens), dims))
     return TrainBatch.from_sequences(seqs, prompt_lens, None if per_token else advs, gen_lps,
                                      ref_lps if with_reference else None,
                                      token_advantages=token_advs if per_token else None,
                                      loss_mask=None if all(all(m) for m in masks) else masks,
                                      token_ages=ages if version is not None else None,
-                                     token_turns=turns if multi_turn else None)
+                                     token_turns=turns if multi_turn else None,
+                                     routed_experts=routes if dims is not None else None)
+
+
+def route_rows(t: Trajectory, length: int, dims: tuple[int, int]) -> torch.Tensor:
+    """The trajectory's recorded routes [length, layers, k] over prompt + tokens, -1 where none was recorded
+    (the last position; every position when the rollout sent none)."""
+    out = torch.full((length, *dims), -1, dtype=torch.int16)
+    if t.routes:
+        data = np.frombuffer(base64.b64decode(t.routes), dtype="<i2").astype(np.int16)
+        recorded = torch.from_numpy(data).view(-1, *t.route_dims)[:length]
+        out[:len(recorded)] = recorded
+    return out

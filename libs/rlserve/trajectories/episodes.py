@@ -172,6 +172,8 @@ class EpisodeRunner:
             sample = await self._generate(prompt + traj.tokens, budget - len(prompt) - len(traj.tokens),
                                           (seed * 1009 + turn) % 2**62)
             traj.add(list(sample.token_ids), list(sample.logprobs), sample.version_runs)
+            if sample.HasField("routed_experts"):
+                traj.add_routes(sample.routed_experts)  # this turn's positions: the context's are the earlier calls'
             traj.turns = turn
             assistant = environment_pb2.ChatMessage(role="assistant", content=sample.text)
             resp = await self._env_call("Step", self.services.env_step(environment_pb2.StepRequest(

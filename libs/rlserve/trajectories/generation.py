@@ -59,7 +59,7 @@ async def generate(services: RunServices, inputs: RunInputs, prompts: list[list[
     req = rollout_pb2.GenerateRequest(
         prompts=[rollout_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=p)) for p in prompts], num_samples=n,
         sampling=params, min_weight_version=min_version, run_id=inputs.run_id,
-        shared_base=spec.shares_deployed_base, priority=spec.priority)
+        shared_base=spec.shares_deployed_base, priority=spec.priority, routed_experts=spec.policy.routing_replay)
     t0 = time.perf_counter()
     resp = await services.generate(req)
     timings.record_generate(resp, time.perf_counter() - t0)

@@ -42,6 +42,8 @@ def _trajectory(sample: rollout_pb2.Sample, result: reward_pb2.ScoreResult) -> T
     traj = Trajectory(turns=1, reward=result.score, reward_metrics=dict(result.metrics),
                       ending="done" if sample.finish_reason == common_pb2.FINISH_REASON_STOP else "truncated")
     traj.add(list(sample.token_ids), list(sample.logprobs), sample.version_runs)
+    if sample.HasField("routed_experts"):
+        traj.add_routes(sample.routed_experts)
     if result.status == reward_pb2.SCORE_STATUS_ERROR:
         traj.reward_error = result.error or "the reward service gave no message"
     return traj

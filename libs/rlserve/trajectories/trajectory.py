@@ -9,7 +9,10 @@ which group-relative advantages compare. Nothing here knows whether an environme
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
+
+from rlserve.v1 import rollout_pb2
 
 # How an episode ended: the environment (or the one scored turn) said done, the turn limit, or the
 # token limits cut it.
@@ -34,6 +37,11 @@ class Trajectory:
     reward_error: str | None = None
     # The reference policy's logprobs of `tokens`, when the KL term or a teacher needs them.
     ref_logprobs: list[float] | None = None
+    # MoE routing replay (policy.routing_replay): the experts the rollout routed each position of prompt +
+    # tokens to, from the first position on (the last position has none), as the rollout sends them:
+    # base64 of int16 little-endian [positions, layers, experts_per_token], with (layers, experts_per_token).
+    routes: str = ""
+    route_dims: tuple[int, int] = (0, 0)
     # An external agent's episode (`rlserve.agents`): its own prompt (None: the group's), and where a
     # rewritten history starts another sequence: (offset in `tokens`, that sequence's prompt).
     prompt_ids: list[int] | None = None
@@ -47,6 +55,17 @@ class Trajectory:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.mask += [logprobs is not None] * len(ids)
         self.versions += [(r.version, start + r.start, start + r.end) for r in runs]
+
+    def add_routes(self, routed: rollout_pb2.RoutedExperts) -> None:
+        """A generate call's routing of prompt + sample (every position from the first): the positions not
+        covered yet (an earlier turn's call covered the context before this turn's)."""
+        dims = (routed.num_layers, routed.experts_per_token)
+        if self.route_dims != (0, 0) and self.route_dims != dims:
+            raise ValueError(f"routed experts of {dims} (layers, experts per token) after {self.route_dims}")
+        row = 2 * dims[0] * dims[1]
+        have = base64.b64decode(self.routes)
+        self.routes = base64.b64encode(have + routed.expert_ids[len(have) // row * row:]).decode()
+        self.route_dims = dims
 
     def sequences(self, group_prompt: list[int]) -> list[tuple[list[int], int, int]]:
         """(prompt, start, end) of each sequence the learner trains on: its prompt and tokens, or with
@@ -84,6 +103,7 @@ class Trajectory:
     def from_dict(cls, saved: dict) -> Trajectory:
         return cls(**{**saved, "versions": [tuple(v) for v in saved["versions"]],
                       "failure": tuple(saved["failure"]) if saved["failure"] else None,
+                      "route_dims": tuple(saved.get("route_dims", (0, 0))),
                       "restarts": [tuple(r) for r in saved.get("restarts", [])]})
 
 

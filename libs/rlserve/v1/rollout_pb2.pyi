@@ -148,7 +148,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, weight_digests: _Optional[bool] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity", "run_id", "lora_enabled", "max_loras", "max_lora_rank", "adapters", "weight_sha256")
+    __slots__ = ("model", "engine", "weight_version", "max_model_len", "vocab_size", "replica_id", "architecture_fingerprint", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager", "weight_transfer", "activity", "run_id", "lora_enabled", "max_loras", "max_lora_rank", "adapters", "weight_sha256", "routing_unavailable")
     class WeightSha256Entry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class GetInfoResponse(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     model: str
     engine: str
     weight_version: int
@@ -194,7 +195,8 @@ class GetInfoResponse(_message.Message):
     max_lora_rank: int
     adapters: _containers.RepeatedCompositeFieldContainer[RunAdapter]
     weight_sha256: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ..., run_id: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[RunAdapter, _Mapping]]] = ..., weight_sha256: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    routing_unavailable: str
+    def __init__(self, model: _Optional[str] = ..., engine: _Optional[str] = ..., weight_version: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., replica_id: _Optional[str] = ..., architecture_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enforce_eager: _Optional[bool] = ..., weight_transfer: _Optional[str] = ..., activity: _Optional[_Union[EngineActivity, _Mapping]] = ..., run_id: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[RunAdapter, _Mapping]]] = ..., weight_sha256: _Optional[_Mapping[str, str]] = ..., routing_unavailable: _Optional[str] = ...) -> None: ...
 
 class RunAdapter(_message.Message):
     __slots__ = ("run_id", "version")

@@ -19,6 +19,7 @@ from rlserve.learner.dtensor.parallel_dims import ParallelDims
 from rlserve.learner.dtensor.parallelize import parallelize
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
 from rlserve.learner.shared_base import BaseShare
+from rlserve.models import moe_routing
 from rlserve.models.architecture import OutputLogits, load_causal_lm
 from rlserve.training.attention import register_hf_attention, unsupported_reason
 from rlserve.training.batch import MicroBatch
@@ -137,11 +138,14 @@ class DTensorBackend(LearnerBackend):
                 if self.accumulate_unsharded:
                     self.model.set_requires_gradient_sync(j == len(plan) - 1)
                 mb = mb.to(self.device)
-                lps, entropy = self.model(mb, with_entropy=True)
-                loss_value = objective.micro_batch_loss(k, mb, lps, None if prev is None else prev[k][j], entropy)
-                # FSDP averages gradients over data-parallel ranks; the loss is already
-                # normalised by global counts, so undo that average.
-                (loss_value * self.dims.dp).backward()
+                # MoE routing replay holds through backward too (activation checkpointing recomputes).
+                with moe_routing.replay(self.model.lm, moe_routing.rows(mb.routed_experts)):
+                    lps, entropy = self.model(mb, with_entropy=True)
+                    loss_value = objective.micro_batch_loss(k, mb, lps, None if prev is None else prev[k][j],
+                                                            entropy)
+                    # FSDP averages gradients over data-parallel ranks; the loss is already
+                    # normalised by global counts, so undo that average.
+                    (loss_value * self.dims.dp).backward()
             grad_norms.append(self._clip_and_step())
         return grad_norms
 
@@ -151,12 +155,16 @@ class DTensorBackend(LearnerBackend):
     @torch.no_grad()
     def _prev_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor | None]]:
         """Logprobs under the weights at the start of the step, for steps of several optimizer updates."""
-        return objective.prev_logprobs(lambda plan: [self.model(mb.to(self.device), with_entropy=False)[0]
-                                                     for mb in plan])
+        return objective.prev_logprobs(lambda plan: [self._logprobs(mb) for mb in plan])
 
     def _reference_logprobs(self, objective: StepObjective) -> list[list[torch.Tensor]]:
         with lora.adapters_off(self.model):
-            return [[self.model(mb.to(self.device), with_entropy=False)[0] for mb in plan] for plan in objective.plans]
+            return [[self._logprobs(mb) for mb in plan] for plan in objective.plans]
+
+    def _logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """A micro-batch's logprobs without entropy (forward only), replaying its MoE routing if it has any."""
+        with moe_routing.replay(self.model.lm, moe_routing.rows(mb.routed_experts)):
+            return self.model(mb.to(self.device), with_entropy=False)[0]
 
     def _load_adapter(self, folder: Path) -> None:
         """Start from a trained adapter (a LoRA run's SFT warm start): its tensors into the adapter parameters."""
