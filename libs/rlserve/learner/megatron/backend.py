@@ -50,7 +50,7 @@ import torch.distributed as dist
 from rlserve.config.spec import RunSpec
 from rlserve.learner import lora
 from rlserve.learner.interfaces import BackendInfo, LearnerBackend
-from rlserve.learner.megatron import checkpoint
+from rlserve.learner.megatron import checkpoint, routing
 from rlserve.learner.megatron import lora as megatron_lora
 from rlserve.learner.megatron.config import (
     Passthrough,
@@ -174,6 +174,7 @@ class MegatronBackend(LearnerBackend):
         self.pad_multiple = self.layout.tp if self.layout.sequence_parallel else 1
         self.same_shapes_across_dp = (self.layout.ep > 1 and bool(self.tconfig.num_moe_experts)
                                       and self.tconfig.moe_token_dispatcher_type == "allgather")
+        self.replays = routing.router_replays(self.gpt) if spec.policy.routing_replay else []
         self._version = 0
 
     def _choose_layout(self) -> MegatronLayout:
@@ -190,6 +191,10 @@ class MegatronBackend(LearnerBackend):
                 "an MoE model with tensor_model_parallel_size > 1 needs policy.megatron_cfg.sequence_parallel "
                 "(megatron-core's MoE layer refuses to train TP without SP); spread experts with "
                 "expert_model_parallel_size instead")
+        if spec.policy.routing_replay and num_experts(self.hf_config):
+            reason = routing.refusal(layout, cfg.activation_checkpointing)
+            if reason:
+                raise NotImplementedError(reason)
         if layout.sequence_parallel and not self.use_te:
             raise NotImplementedError(
                 "policy.megatron_cfg.sequence_parallel needs the Transformer Engine layer spec: the local spec's "
@@ -292,14 +297,21 @@ class MegatronBackend(LearnerBackend):
         inputs = ((j, mb.to(self.device), model_inputs(mb, self.device, *shape, self.pad_id))
                   for j, (mb, shape) in enumerate(zip(plan, shapes)))
         rows, width = shapes[0]  # the schedule uses it for pipeline p2p only, where all shapes are equal
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn, self.forward_kwargs), data_iterator=inputs,
-            model=[self.model], num_microbatches=len(plan), seq_length=width, micro_batch_size=rows,
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, loss_fn, self.forward_kwargs, self.replays),
+                data_iterator=inputs, model=[self.model], num_microbatches=len(plan), seq_length=width,
+                micro_batch_size=rows, forward_only=forward_only)
+        finally:
+            routing.set_targets(self.replays, None)
 
     @staticmethod
-    def _forward_step(loss_fn, kwargs, data_iterator, model):
+    def _forward_step(loss_fn, kwargs, replays, data_iterator, model):
         j, mb, inputs = next(data_iterator)
+        if replays:  # MoE routing replay: this micro-batch's recorded experts (`megatron/routing.py`)
+            rows, width = inputs.input_ids.shape
+            routing.set_targets(replays, None if mb.routed_experts is None else
+                                [t.to(inputs.input_ids.device) for t in routing.targets(mb.routed_experts, rows, width)])
         return model(**inputs.model_kwargs(), **kwargs), partial(loss_fn, j, mb, inputs)
 
     def _logprobs(self, inputs: ModelInputs, hidden: torch.Tensor, with_entropy: bool):

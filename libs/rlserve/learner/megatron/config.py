@@ -176,6 +176,8 @@ def transformer_overrides(spec: RunSpec, layout, passthrough: Passthrough) -> di
     if spec.policy.megatron_cfg.activation_checkpointing:
         # NeMo-RL's meaning of activation_checkpointing: full recompute of every layer.
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.policy.routing_replay:
+        overrides["moe_enable_routing_replay"] = True  # a RouterReplay per router (`megatron/routing.py`)
     overrides.update(passthrough.transformer)
     return overrides
 
