@@ -112,7 +112,20 @@ class RunAdmission(Admission):
             raise failed_precondition(f"policy.max_total_sequence_length {spec.policy.max_total_sequence_length}"
                                       f" exceeds the rollout's max_model_len {info.max_model_len}")
         self._check_lora_serving(spec, info)
+        self._check_routing_replay(spec, config, info)
         return spec
+
+    @staticmethod
+    def _check_routing_replay(spec: RunSpec, config: Any, info: rollout_pb2.GetInfoResponse) -> None:
+        """Routing replay needs a Mixtral- or Qwen3-MoE-shaped model and a rollout engine that records routing."""
+        if not spec.policy.routing_replay:
+            return
+        if config.model_type not in ("mixtral", "qwen3_moe"):
+            raise invalid_argument("spec_yaml: policy.routing_replay", f"replays Mixtral- and Qwen3-MoE-shaped models' "
+                                   f"routing; {spec.policy.model_name} is {config.model_type!r}")
+        if info.routing_unavailable:
+            raise failed_precondition(f"policy.routing_replay: the rollout's {info.engine} engine cannot record MoE "
+                                      f"routing ({info.routing_unavailable})")
 
     @staticmethod
     def _check_resources(spec: RunSpec, capacity: Capacity) -> None:
