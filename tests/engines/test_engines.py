@@ -76,6 +76,41 @@ def test_sampled_logprobs_match_transformers(engine, vllm_engine, loop):
     assert max_logprob_error(out, resolve_model("preset:tiny")) < 1e-4
 
 
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_with_top_p_and_top_k_the_logprobs_are_the_full_distributions_as_the_learners(engine, vllm_engine, loop):
+    """Sampling exactness: with temperature, top-p and top-k cutting the sampling distribution, both engines
+    still return each sampled token's logprob under the model's own temperature-1 distribution over the
+    whole vocabulary, which is what the learner (and the reference scorer) compute: equal within 1e-4. The
+    sampler's renormalised logprob (over the kept tokens, at the temperature) is not it, by far."""
+    cut = SamplingSpec(temperature=0.7, top_p=0.8, top_k=5, max_new_tokens=8, seed=4)
+
+    async def run():
+        eng = vllm_engine if engine == "vllm" else make_engine(engine, EngineConfig(model_path=resolve_model("preset:tiny")))
+        return await eng.generate(PROMPTS, 4, cut)
+
+    out = loop.run(run())
+    model = resolve_model("preset:tiny")
+    assert max_logprob_error(out, model) < 1e-4
+    # What the sampler drew from: temperature, then the top-k and top-p cuts, renormalised.
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    gaps = []
+    with torch.no_grad():
+        for prompt, samples in zip(PROMPTS, out):
+            for s in samples:
+                seq = torch.tensor([prompt + s.token_ids])
+                logits = lm(seq).logits[0, len(prompt) - 1:-1].float() / cut.temperature
+                kept = logits.topk(cut.top_k, dim=-1)
+                probs = kept.values.softmax(-1)
+                nucleus = (probs.cumsum(-1) - probs) < cut.top_p  # the smallest set reaching top_p
+                renormalised = torch.where(nucleus, kept.values, float("-inf")).log_softmax(-1)
+                picked = (kept.indices == torch.tensor(s.token_ids)[:, None])
+                assert picked.any(-1).all(), "a sampled token outside the top-k"
+                gaps += (renormalised[picked] - torch.tensor(s.logprobs)).tolist()
+    assert min(gaps) >= -1e-4 and sum(gaps) / len(gaps) > 0.1, gaps
+
+
 def test_the_transformers_engine_digests_exactly_the_weights_it_loaded(loop, other_model, tmp_path):
     """What `GetInfo(weight_digests)` answers: the served weights by checkpoint name, equal to the folder
     they came from (cast to the engine's dtype), and a last-bit change in one tensor named."""

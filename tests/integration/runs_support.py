@@ -85,6 +85,26 @@ def metric_events(events: list[pb.RunEvent]) -> list[dict[str, float]]:
     return [dict(ev.metrics) for ev in events if ev.kind == pb.EVENT_KIND_STEP]
 
 
+# The consistency gate (tests/engines/test_consistency.py says why these bounds): the run's median
+# token_mult_prob_error and mean |delta logprob|, and its worst token's |delta logprob|, over the tokens of
+# the newest weights (age 0; an async run's older tokens carry the policy's own change too).
+CONSISTENCY_GATE = {"token_mult_prob_error": 1.00002, "logprob_abs_diff_mean": 2e-5, "logprob_abs_diff_max": 1e-4}
+
+
+def assert_consistent(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The run's STEP metrics against `CONSISTENCY_GATE`; returns what it measured."""
+    import statistics
+
+    fresh = [m for m in steps if "mismatch/age_0/token_mult_prob_error" in m]
+    assert fresh, "no step trained tokens of the newest weights"
+    got = {"token_mult_prob_error": statistics.median(m["mismatch/age_0/token_mult_prob_error"] for m in fresh),
+           "logprob_abs_diff_mean": statistics.median(m["mismatch/age_0/logprob_abs_diff_mean"] for m in fresh),
+           "logprob_abs_diff_max": max(m["mismatch/age_0/logprob_abs_diff_max"] for m in fresh)}
+    print("consistency:", {k: f"{v:.3g}" for k, v in got.items()})  # the gate's measurements (pytest -s)
+    assert all(got[k] < bound for k, bound in CONSISTENCY_GATE.items()), (got, CONSISTENCY_GATE)
+    return got
+
+
 def metric_rows(run: pb.Run) -> list[dict]:
     return [json.loads(line) for line in (Path(run.run_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -15,7 +15,7 @@ from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import rollout_pb2, rollout_pb2_grpc
 from rlserve.weights.digest import differences, folder_digests
 from tests.integration.conftest import running_cluster
-from tests.integration.runs_support import events_until_end, metric_events, spec
+from tests.integration.runs_support import assert_consistent, events_until_end, metric_events, spec
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def test_a_run_on_the_default_cluster_hands_weights_over_in_shared_memory(defaul
         [ev.message for ev in events][:10]
     steps = metric_events(events)
     assert len(steps) == 4
+    assert_consistent(steps)  # transformers (CPU, fp32), dense, full weights, one turn
     later = steps[1:]
     assert all(m["weight_sync/direct_mib"] > 0 for m in later), later
     assert all(m["weight_sync/store_fetch_mib"] == 0 for m in later), later

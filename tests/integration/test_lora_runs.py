@@ -23,6 +23,7 @@ from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import rollout_pb2, rollout_pb2_grpc
 from tests.integration.conftest import plugin
 from tests.integration.runs_support import (
+    assert_consistent,
     assert_records_agree,
     events_until_end,
     kill_learner_worker,
@@ -64,6 +65,7 @@ def test_a_lora_run_sends_adapters_only_and_ends_with_a_peft_adapter(client, cha
     assert all(m["weight_sync/mib"] < 0.1 * m["weight_sync/model_mib"] for m in steps)  # adapters, not the model
     assert all(m["weight_sync/direct_mib"] == 0 for m in steps)  # through the store: vLLM loads adapters by folder
     assert "policy/reference_kl" in steps[-1] and steps[-1]["policy/reference_kl"] > 0  # the learner's reference
+    assert_consistent(steps)  # vLLM (CPU, fp32), dense, LoRA, one turn
     held = served_adapters(channel, run.run_id)
     # The last publication was loaded by one replica at once; another loads it at the run's next request there.
     assert run.weight_version in held.values() and max(held.values()) == run.weight_version

@@ -18,7 +18,7 @@ from rlserve.environments import serving
 from rlserve.environments.interfaces import Environment, StepInput, StepOutput
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.v1 import environment_pb2_grpc
-from tests.integration.runs_support import assert_records_agree, events_until_end, metric_rows, spec
+from tests.integration.runs_support import assert_consistent, assert_records_agree, events_until_end, metric_rows, spec
 from tests.support.dist import free_port
 
 # A 1..3 game: a random model names the right number now and then within 3 turns, so groups differ.
@@ -50,6 +50,7 @@ def test_a_guess_number_run_plays_episodes_through_the_reward_application(client
                for r in rows)
     assert "val/episode/env/success" in metric_rows(run)[-1]
     assert run.ledger.generated == 2 * 8 * 4
+    assert_consistent(rows)  # vLLM (CPU, fp32), dense, full weights, multi-turn
 
 
 class Unreliable(Environment):

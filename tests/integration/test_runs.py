@@ -18,7 +18,14 @@ from transformers import AutoModelForCausalLM
 
 from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.v1 import coordinator_pb2 as pb
-from tests.integration.runs_support import assert_records_agree, events_until_end, metric_events, spec, wait_for
+from tests.integration.runs_support import (
+    assert_consistent,
+    assert_records_agree,
+    events_until_end,
+    metric_events,
+    spec,
+    wait_for,
+)
 from tests.support.dist import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +54,7 @@ def test_short_run_completes_with_a_balanced_ledger(client):
     assert [int(ev.step) for ev in events if ev.kind == pb.EVENT_KIND_STEP] == [1, 2, 3]
     assert all(m["batch/staleness_max"] == 0 for m in steps)
     assert "loss/total" in steps[0] and "timing/generate_s" in steps[0] and "val/reward" in steps[-1]
+    assert_consistent(steps)  # vLLM (CPU, fp32), dense, full weights, one turn
     usage = run.usage  # the sum of the steps' spend; every completion has at least one token
     assert usage.generated_tokens == sum(m["usage/generated_tokens"] for m in steps) >= run.ledger.generated
     assert usage.trained_tokens == sum(m["usage/trained_tokens"] for m in steps) > 0
@@ -204,6 +212,10 @@ def test_cli_submit_watch_and_runs(test_cluster, tmp_path):
     spent = subprocess.run([cli, "runs", "usage", "--endpoint", test_cluster.endpoint], capture_output=True,
                            text=True)
     assert spent.returncode == 0 and "itest-cli" in spent.stdout and "total of " in spent.stdout, spent.stderr
+    run_id = next(line.split()[0] for line in listed.stdout.splitlines() if "itest-cli" in line)
+    got = subprocess.run([cli, "runs", "get", run_id, "--endpoint", test_cluster.endpoint], capture_output=True,
+                         text=True)
+    assert "consistency: median token_mult_prob_error 1.0000" in got.stdout, got.stdout
     missing = subprocess.run([cli, "runs", "get", "nope", "--endpoint", test_cluster.endpoint], capture_output=True,
                              text=True)
     assert missing.returncode == 2 and "NOT_FOUND" in missing.stderr
