@@ -7,7 +7,9 @@
 # 1b-megatron (the same on the megatron learner),
 # refit (the 1b workload through the weight store, then by the same-GPU handoff: compare_refit.py),
 # bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu),
-# soak (scripts/bench/soak.py on the machine's CPU cores; SOAK_ARGS adds to its arguments).
+# soak (scripts/bench/soak.py on the machine's CPU cores; SOAK_ARGS adds to its arguments),
+# consistency (scripts/bench/consistency.py: generator-vs-learner logprobs, bf16 and fp32, dense and MoE,
+# with and without routing replay).
 # Each stage logs to OUT/<stage>.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -79,6 +81,12 @@ PY
                 tests/gpu ${GPUTESTS_ARGS:-} > "$out/gputests.log" 2>&1; tail -15 "$out/gputests.log";;
     soak) PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} python3 scripts/bench/soak.py ${SOAK_ARGS:-} \
             > "$out/soak.log" 2>&1; cp bench-results/soak.json "$out/" 2>/dev/null; tail -12 "$out/soak.log";;
+    consistency)  # rollout-training consistency: the transformers engine in bf16 and fp32, dense and MoE, with and
+                  # without routing replay, against the dtensor learner at the same precision (CONSISTENCY_ARGS adds)
+      PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} python3 scripts/bench/consistency.py --device cuda \
+          --engines transformers --dtypes bfloat16 float32 --models 1b qwen3-moe-gpu --prompts 64 --samples 8 \
+          --new-tokens 256 --micro-batch 16 --out h200_consistency ${CONSISTENCY_ARGS:-} > "$out/consistency.log" 2>&1
+      cp bench-results/h200_consistency.json "$out/" 2>/dev/null; tail -8 "$out/consistency.log";;
     *) echo "unknown stage $stage" >&2; exit 2;;
   esac
 done
