@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlserve.agents.table import AgentSessions
 from rlserve.config import RunSpec
 from rlserve.environments import serving
 from rlserve.environments.config import EnvironmentCfg
@@ -66,6 +67,7 @@ class FakeServices(RunServices):
         self.published = 0
         self.served = 0
         self._last_step: tuple[int, learner_pb2.TrainStepResponse] | None = None
+        self.agents = AgentSessions()  # external_agent runs' sessions, as the coordinator's table holds them
 
     # --- rollout -------------------------------------------------------------------------
     async def generate(self, req: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
@@ -128,6 +130,9 @@ class FakeServices(RunServices):
         return reference_pb2.LogProbsResponse(sequences=[
             reference_pb2.SequenceLogProbs(logprobs=[-1.5] * (len(s.token_ids) - s.prompt_length))
             for s in req.sequences])
+
+    def agent_sessions(self) -> AgentSessions:
+        return self.agents
 
     # --- learner ---------------------------------------------------------------------------
     def _require(self, run_id: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from rlserve.agents.config import EXTERNAL_AGENT, ExternalAgentArgs
 from rlserve.catalog import ALGORITHMS, ENVIRONMENTS, TASKS
 from rlserve.config.algorithms import AdvEstimatorCfg, DpoCfg, LossFnCfg, RewardShapingCfg, SftCfg
 from rlserve.config.policy import PolicyCfg, Seed
@@ -235,22 +236,25 @@ class EnvCfg(Section):
     enabled: bool = False
     # A name of `rlserve.catalog.ENVIRONMENTS` (single_turn: the reward functions as an environment done
     # after one step, scoring with reward.functions unless args.functions names others; guess_number;
-    # tool_use; an enabled plug-in's) or any label when import_path is given.
+    # tool_use; an enabled plug-in's), or `external_agent` (an agent program plays the episodes through
+    # the OpenAI-compatible endpoint: `rlserve.agents`), or any label when import_path is given.
     name: str = Field("single_turn", min_length=1, max_length=MAX_NAME_CHARS)
     # "package.module:Class" or "/path/file.py:Class" of an `Environment` subclass; only plug-ins
     # the cluster file's reward.allowed_plugins lists.
     import_path: str | None = Field(None, max_length=MAX_PATH_CHARS)
     # Keyword arguments of the environment's constructor (per-row arguments come from the data's
-    # env_args column).
+    # env_args column); for external_agent: tool_format, declare_tools, tasks (`rlserve.agents.config`).
     args: dict[str, Any] = {}
     # host:port of an external gRPC server implementing rlserve.v1.Environment (one the cluster
     # file's reward.allowed_endpoints admits); unset: the reward application.
     endpoint: str | None = Field(None, max_length=300)
     # One Reset or Step call may take this long; an episode whose call takes longer is dropped
-    # (its group, counted as env_error) and the run goes on.
+    # (its group, counted as env_error) and the run goes on. An external agent's episode must end
+    # this long after it was handed out (else its group is dropped as episode_abandoned).
     timeout_s: float = Field(30.0, gt=0, le=3600)
     # Episodes in progress at once (each waits on its own generate and environment calls, so the
-    # engine keeps generating for the others while one waits on its environment).
+    # engine keeps generating for the others while one waits on its environment); an external_agent
+    # run hands out at most this many unfinished episodes.
     max_concurrent_episodes: int = Field(256, ge=1, le=MAX_TRAJECTORIES_PER_STEP)
 
     @field_validator("endpoint")
@@ -258,13 +262,27 @@ class EnvCfg(Section):
     def _endpoint(cls, v: str | None) -> str | None:
         return _host_port(v)
 
+    @property
+    def external_agent(self) -> bool:
+        """Episodes played by an agent program through the endpoint (`rlserve.agents`), not an environment."""
+        return self.enabled and self.name == EXTERNAL_AGENT and self.import_path is None
+
     @model_validator(mode="after")
     def _known(self) -> EnvCfg:
+        if self.name == EXTERNAL_AGENT and self.import_path is None:
+            if self.endpoint is not None:
+                raise ValueError("env.endpoint: an external_agent run's agents come to the endpoint; it names "
+                                 "no environment server")
+            try:
+                ExternalAgentArgs.parse(self.args)
+            except ValueError as err:
+                raise ValueError(f"env.args.{err}") from None
+            return self
         if self.import_path is None and self.name not in ENVIRONMENTS and self.endpoint is None:
             close = difflib.get_close_matches(self.name, ENVIRONMENTS.names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"env.name: unknown environment {self.name!r}{hint} (valid: "
-                             f"{', '.join(ENVIRONMENTS.names)}; or give env.import_path)")
+                             f"{', '.join(ENVIRONMENTS.names)}, {EXTERNAL_AGENT}; or give env.import_path)")
         try:
             EnvironmentCfg(name=self.name, import_path=self.import_path, args=self.args)
         except ValueError as err:
@@ -410,6 +428,10 @@ class RunSpec(Section):
                 f"policy.sequence_packing.train_mb_tokens: {self.policy.sequence_packing.train_mb_tokens} "
                 f"must hold one sequence of policy.max_total_sequence_length "
                 f"({self.policy.max_total_sequence_length})")
+        if self.env.external_agent and ExternalAgentArgs.parse(self.env.args).tasks == "agent" and (
+                self.grpo.val_period or self.grpo.val_at_start):
+            raise ValueError("grpo.val_period: a run whose agents bring their own tasks (env.args.tasks: agent) "
+                             "has no held-out tasks to hand out: set grpo.val_period: 0 and grpo.val_at_start: false")
         if self.grpo.max_rollout_turns > 1 and not self.env.enabled:
             raise ValueError(f"grpo.max_rollout_turns: {self.grpo.max_rollout_turns} turns need an environment "
                              f"that answers between them (env.enabled: true)")

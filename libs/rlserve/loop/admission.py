@@ -211,7 +211,10 @@ class RunAdmission(Admission):
                 raise failed_precondition(f"policy.model_name: a LoRA run's adapters apply to the base model the "
                                           f"rollout serves ({info.model}); {spec.policy.model_name} is another "
                                           f"(a run with an SFT warm start brings its own base)")
-            if spec.env.enabled and example is not None:
+            if spec.env.external_agent and example is not None:
+                await self._check_continuation(example[0])
+                await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
+            elif spec.env.enabled and example is not None:
                 await self._check_environment(spec, services, example)
             else:
                 await services.score(reward_pb2.ScoreRequest(functions=[f.to_proto() for f in spec.reward.functions]))
@@ -256,15 +259,20 @@ class RunAdmission(Admission):
                                    f"{type(err).__name__}: {err}") from None
 
     @staticmethod
+    async def _check_continuation(tok: PromptTokenizer) -> None:
+        """The chat template can append messages after a turn as tokens (multi-turn episodes, agents' calls)."""
+        try:
+            await asyncio.to_thread(tok.observation_ids, [{"role": "user", "content": "x"}], tok.eos_ids[0])
+        except (ValueError, TemplateError) as err:
+            raise invalid_argument("data.prompt_format", f"multi-turn episodes need {err}") from None
+
+    @staticmethod
     async def _check_environment(spec: RunSpec, services: RunServices, example: tuple[PromptTokenizer, Example]
                                  ) -> None:
         """The environment starts an episode of the first validation example, and the chat template can
         append its observations as tokens."""
         tok, ex = example
-        try:
-            await asyncio.to_thread(tok.observation_ids, [{"role": "user", "content": "x"}], tok.eos_ids[0])
-        except (ValueError, TemplateError) as err:
-            raise invalid_argument("data.prompt_format", f"multi-turn episodes need {err}") from None
+        await RunAdmission._check_continuation(tok)
         try:
             resp = await asyncio.wait_for(services.env_reset(environment_pb2.ResetRequest(
                 environment=spec.env.environment(spec.reward.functions).to_proto(),

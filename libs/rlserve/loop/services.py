@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from rlserve.agents.table import AgentSessions
 from rlserve.config import RunSpec
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
@@ -89,6 +90,12 @@ class RunServices(ABC):
     @abstractmethod
     async def capacity(self) -> Capacity:
         """What the cluster has for learner workers."""
+
+    # --- external agents ----------------------------------------------------------------
+    def agent_sessions(self) -> AgentSessions:
+        """Where an external_agent run's session meets the agent endpoint (`rlserve.agents`): the coordinator's
+        table, which its Agents RPCs read too."""
+        raise ServiceFailure("these services serve no agent endpoint (env.name: external_agent)")
 
     # --- bookkeeping ---------------------------------------------------------------------
     def oldest_pending(self) -> tuple[str, float] | None:

@@ -30,7 +30,8 @@ def advantage_inputs(groups: list[Group], rewards: torch.Tensor, with_reference:
 def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: bool,
                 version: int | None = None) -> TrainBatch:
     """One sequence per trajectory: its prompt and tokens exactly as generated (an episode's observations
-    between turns included, which its loss mask leaves out of the loss); `advantages` [G, n], or [G, n, T]
+    between turns included, which its loss mask leaves out of the loss; an external agent's episode whose
+    history was rewritten is one sequence per stretch, `Trajectory.sequences`); `advantages` [G, n], or [G, n, T]
     from a token-level estimator. With `version` (the learner's at this step) each token carries its age
     in versions, and in a batch of multi-turn episodes its turn (the consistency metrics' splits)."""
     seqs, prompt_lens, advs, token_advs, gen_lps, ref_lps, masks = [], [], [], [], [], [], []
@@ -40,21 +41,25 @@ def build_batch(groups: list[Group], advantages: torch.Tensor, with_reference: b
     per_token = advantages.dim() == 3
     for g, adv in zip(groups, advantages.tolist()):
         for j, t in enumerate(g.trajectories):
-            seqs.append(g.prompt_ids + t.tokens)
-            prompt_lens.append(len(g.prompt_ids))
-            if per_token:
-                token_advs.append(adv[j][:len(t.tokens)])
-            else:
-                advs.append(adv[j])
-            gen_lps.append(t.logprobs)
-            masks.append(t.mask)
-            if with_reference:
-                ref_lps.append(t.ref_logprobs)
-            if version is not None:
-                ages.append([version - v for v in t.token_versions(g.weight_version)])
-            turns.append(t.token_turns())
-            if dims is not None:
-                routes.append(route_rows(t, len(g.prompt_ids) + len(t.tokens), dims))
+            token_ages = [version - v for v in t.token_versions(g.weight_version)] if version is not None else []
+            token_turns = t.token_turns()
+            # One sequence, or (an agent that rewrote its history) one per stretch, each with the advantage.
+            for prompt, start, end in t.sequences(g.prompt_ids):
+                seqs.append(prompt + t.tokens[start:end])
+                prompt_lens.append(len(prompt))
+                if per_token:
+                    token_advs.append(adv[j][start:end])
+                else:
+                    advs.append(adv[j])
+                gen_lps.append(t.logprobs[start:end])
+                masks.append(t.mask[start:end])
+                if with_reference:
+                    ref_lps.append(t.ref_logprobs[start:end])
+                if version is not None:
+                    ages.append(token_ages[start:end])
+                turns.append(token_turns[start:end])
+                if dims is not None:
+                    routes.append(route_rows(t, len(prompt) + end - start, dims))
     return TrainBatch.from_sequences(seqs, prompt_lens, None if per_token else advs, gen_lps,
                                      ref_lps if with_reference else None,
                                      token_advantages=token_advs if per_token else None,
