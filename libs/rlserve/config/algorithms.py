@@ -66,15 +66,20 @@ class MismatchGuardCfg(Section):
     PAUSED (`rlserve submit --resume` continues it), `fail` fails it.
 
     The default, NeMo-RL's nightly bound on token_mult_prob_error (its recipes fail at a median of 1.1),
-    is far above a healthy run's: 1.0000 between fp32 engines and the learner on CPU, 1.017 between bf16
-    vLLM and the bf16 learner of the 1b preset on an H200 (BENCHMARKS.md), while weights that did not
-    reach the engine put it at 1.5 and more from the first step after."""
+    is far above a healthy run's: 1.0000002 between fp32 engines and the learner on CPU, 1.017 between
+    bf16 vLLM and the bf16 learner of the 1b preset on an H200 (BENCHMARKS.md), while weights that are
+    not the learner's (one transfer with noise on every tensor) measured 1.2 from the first step that
+    sampled them (docs/algorithms.md, "Consistency")."""
 
+    # Off: the metrics are still measured and reported, nothing is checked.
     enabled: bool = True
     # A name of MISMATCH_METRICS, optionally scoped to an age or turn bucket ("age_0/logprob_abs_diff_max":
     # the tokens of the newest weights only, which leaves an async run's staleness out).
     metric: str = "token_mult_prob_error"
+    # The bound: a step whose metric is above it crosses.
     max: float = Field(1.1, gt=0, le=1e6)
+    # What a crossing does after its WARNING event: go on, pause the run resumably after a checkpoint
+    # at the step (needs checkpointing.enabled), or fail it.
     action: Literal["warn", "pause", "fail"] = "warn"
 
     @field_validator("metric")
