@@ -94,3 +94,10 @@ def test_sft_batches_have_no_consistency_metrics():
     (mb,) = objective.plans[0]
     objective.micro_batch_loss(0, mb, torch.tensor([-1.0, -1.0], requires_grad=True), None)
     assert not any(k.startswith("mismatch/") for k in objective.finalize(None))
+
+
+def test_the_guard_watches_exactly_the_metrics_the_learner_reports():
+    from rlserve.algorithms.mismatch import _MEANS
+    from rlserve.config.algorithms import MISMATCH_METRICS
+
+    assert set(MISMATCH_METRICS) == {*_MEANS, "logprob_abs_diff_max"}
