@@ -5,7 +5,9 @@ encodes. The gateway passes the caller's principal after the request; a call
 that passes none comes from inside the cluster and runs as `system` (an
 admin). Runs are admitted by `rlserve.loop.admission` and executed by
 `rlserve.loop.recovery.run_to_end`, which reaches the other applications
-through `handles.ServeServices`.
+through `handles.ServeServices`. It also serves `rlserve.v1.Agents` for its
+external_agent runs (`rlserve.agents.hub`: the runs' sessions meet the RPCs in
+one `AgentSessions` table).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 
+from rlserve.agents.hub import AgentHub
+from rlserve.agents.table import AgentSessions
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import place_from_env
 from rlserve.logs import setup_logging
@@ -36,6 +40,7 @@ from rlserve.security.principal import SYSTEM, Principal
 from rlserve.tenancy.legacy import COORDINATOR_ARGS, log_deprecated, migrate_args
 from rlserve.tenancy.live import LiveTenancy
 from rlserve.tenancy.policy import TenancyPolicy
+from rlserve.v1 import agents_pb2
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.weights.store import DEFAULT_STORE_NAME
 from services.coordinator.handles import ServeServices
@@ -106,19 +111,25 @@ class Coordinator:
         self.manager = RunManager(self.args.paths.policy().runs_dir, self._run, admission,
                                   self.args.preflight_timeout_s, self.args.resume_on_restart, tenancy,
                                   SpecReader(tenancy.policy.callers), self.args.cancel_grace_s)
+        self.agent_sessions = AgentSessions()
+        self.agents = AgentHub(self.agent_sessions, self.manager.get)
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
                   ) -> RunServices:
         return ServeServices(self.args.apps, reward_endpoint, policy, on_retry=lambda msg: None,
-                             env_endpoint=env_endpoint)
+                             env_endpoint=env_endpoint, agents=self.agent_sessions)
 
     async def _run(self, run: Run) -> None:
         services = await ServeServices.connect(self.args.apps, run.spec.reward.endpoint, self.args.retry,
                                                lambda msg: run.emit(pb.EVENT_KIND_RETRY, msg),
                                                self.args.watchdog_timeout_s,
-                                               env_endpoint=run.spec.env.endpoint if run.spec.env.enabled else None)
-        await run_to_end(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s,
-                                                          self.args.generation_shares_cpu_cores))
+                                               env_endpoint=run.spec.env.endpoint if run.spec.env.enabled else None,
+                                               agents=self.agent_sessions)
+        try:
+            await run_to_end(run, services, LoopSettings(self.args.weight_store, self.args.watchdog_timeout_s,
+                                                              self.args.generation_shares_cpu_cores))
+        finally:
+            self.agent_sessions.close(run.run_id)
 
     async def __del__(self) -> None:
         """Serve's shutdown of this replica: stop the runs without changing their state (they stay RUNNING
@@ -154,6 +165,27 @@ class Coordinator:
         run = self.manager.get(request.run_id, caller)
         async for ev in run.watch(request.from_sequence, self.args.watch_max_s):
             yield pb.WatchRunResponse(event=ev)
+
+    # --- rlserve.v1.Agents ------------------------------------------------------------------------
+
+    @grpc_method
+    async def NextEpisode(self, request: agents_pb2.NextEpisodeRequest,
+                          caller: Principal = SYSTEM) -> agents_pb2.NextEpisodeResponse:
+        return await self.agents.next_episode(request, caller)
+
+    @grpc_method
+    async def StartEpisode(self, request: agents_pb2.StartEpisodeRequest,
+                           caller: Principal = SYSTEM) -> agents_pb2.StartEpisodeResponse:
+        return await self.agents.start_episode(request, caller)
+
+    @grpc_method
+    async def Chat(self, request: agents_pb2.ChatRequest, caller: Principal = SYSTEM) -> agents_pb2.ChatResponse:
+        return await self.agents.chat(request, caller)
+
+    @grpc_method
+    async def EndEpisode(self, request: agents_pb2.EndEpisodeRequest,
+                         caller: Principal = SYSTEM) -> agents_pb2.EndEpisodeResponse:
+        return await self.agents.end_episode(request, caller)
 
 
 def build(args: dict) -> serve.Application:

@@ -20,6 +20,7 @@ import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from rlserve.agents.table import AgentSessions
 from rlserve.config import RunSpec
 from rlserve.loop.retry import Retrying, RetryPolicy
 from rlserve.loop.services import Capacity, RunServices, ServiceFailure
@@ -37,7 +38,9 @@ from rlserve.v1 import (
 
 class ServeServices(RunServices):
     def __init__(self, apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
-                 on_retry: Callable[[str], None], env_endpoint: str | None = None):
+                 on_retry: Callable[[str], None], env_endpoint: str | None = None,
+                 agents: AgentSessions | None = None):
+        self.agents = agents
         self.rollout = serve.get_app_handle(apps["rollout"])
         self.reward = serve.get_app_handle(apps["reward"])
         self.reference = serve.get_app_handle(apps["reference"])
@@ -51,13 +54,13 @@ class ServeServices(RunServices):
     @classmethod
     async def connect(cls, apps: dict[str, str], reward_endpoint: str | None, policy: RetryPolicy,
                       on_retry: Callable[[str], None], timeout_s: float,
-                      env_endpoint: str | None = None) -> ServeServices:
+                      env_endpoint: str | None = None, agents: AgentSessions | None = None) -> ServeServices:
         """Once every application exists: a coordinator that resumes runs as it starts comes up beside the
         other applications, not after them."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return cls(apps, reward_endpoint, policy, on_retry, env_endpoint)
+                return cls(apps, reward_endpoint, policy, on_retry, env_endpoint, agents)
             except RayServeException as err:
                 if time.monotonic() > deadline:
                     raise ServiceFailure(f"the services are not deployed after {timeout_s:.0f}s: {err}") from None
@@ -118,6 +121,11 @@ class ServeServices(RunServices):
     async def release_learner(self, run_id: str) -> None:
         await self.retrying.call("learner.ReleaseSession", lambda: self.learner.ReleaseSession.remote(
             learner_pb2.ReleaseSessionRequest(run_id=run_id)))
+
+    def agent_sessions(self) -> AgentSessions:
+        if self.agents is None:
+            return super().agent_sessions()
+        return self.agents
 
     async def capacity(self) -> Capacity:
         total = ray.cluster_resources()

@@ -4,8 +4,11 @@ Its replica runs a grpc.aio server on the cluster file's `host:grpc_port`
 (`rlserve.gateway.server`: bearer tokens, principals, roles, TLS) and
 forwards each call to the service's Serve deployment through a handle, the
 same path the coordinator uses inside the cluster; a run-facing call carries
-the caller's principal as an argument after the request. Serve's own proxies are off, so this is
-the only way in from outside.
+the caller's principal as an argument after the request. Beside it, on `host:http_port`, the HTTP
+listener (`rlserve.gateway.http`) serves the public APIs other ecosystems speak, each under its prefix
+(`_http_apis`: the OpenAI-compatible endpoint `rlserve.agents.openai_api` under /v1), with the same
+tokens, per-caller limits and TLS, over the same handles. Serve's own proxies are off, so these are
+the only ways in from outside.
 """
 
 from __future__ import annotations
@@ -21,17 +24,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from rlserve.agents.openai_api import OpenAiApi
 from rlserve.cluster.deployment import build_app
 from rlserve.cpu_affinity import place_from_env
 from rlserve.gateway import server
-from rlserve.gateway.methods import RpcMethod
+from rlserve.gateway.http import HttpApi, HttpConfig, start_http
+from rlserve.gateway.methods import RpcMethod, all_methods
 from rlserve.gateway.run_table import RunTable
 from rlserve.logs import event, setup_logging
-from rlserve.rpc import clean
+from rlserve.rpc import clean, status_of
 from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
 from rlserve.tenancy.legacy import GATEWAY_ARGS, log_deprecated, migrate_args
 from rlserve.tenancy.policy import TenancyPolicy
+from rlserve.v1 import agents_pb2
+from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.gateway")
 
@@ -57,6 +64,8 @@ class GatewayArgs(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(9000, gt=0, lt=65536)
+    # The HTTP listener's port on `host` (the cluster file's `http_port`); None: no HTTP listener.
+    http_port: int | None = Field(9001, gt=0, lt=65536)
     # None: no authentication (`auth: none` in the cluster file, warned at every start). Required,
     # so there is no module-level default app: an endpoint without a decision on auth is not deployable.
     auth: TokenFiles | None
@@ -105,6 +114,16 @@ class Gateway:
                                  max_message_mb=self.args.max_message_mb, read_cache_ms=self.args.read_cache_ms,
                                  watch_max_s=self.args.watch_max_s),
             self._forward, self._forward_stream, self.runs)
+        self.http = None
+        if self.args.http_port is not None:
+            self.http = await start_http(
+                HttpConfig(self.args.host, self.args.http_port, tokens, self.args.tenancy.callers,
+                           Path(tls.cert_file) if tls else None, Path(tls.key_file) if tls else None),
+                self._http_apis())
+
+    def _http_apis(self) -> list[HttpApi]:
+        """The APIs of the HTTP listener, each under its own prefix."""
+        return [OpenAiApi(ServeAgents(self._forward, self.args.apps))]
 
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self.handles:
@@ -160,7 +179,43 @@ class Gateway:
 
     async def __del__(self):
         self.feed.cancel()
+        if self.http is not None:
+            await self.http.cleanup()
         await self.server.stop(grace=2)
+
+
+class ServeAgents:
+    """The OpenAI endpoint's backend (`rlserve.agents.openai_api.Backend`): the coordinator's Agents RPCs and
+    ListRuns, forwarded with the caller like the gRPC endpoint's; a failure arrives as its RpcError."""
+
+    def __init__(self, forward, apps: dict[str, str]):
+        self.forward = forward
+        self.methods = {m.name: m for m in all_methods(apps) if m.service in ("rlserve.v1.Agents",
+                                                                              "rlserve.v1.Coordinator")}
+
+    async def _call(self, name: str, request: Message, caller: Principal) -> Any:
+        try:
+            return await self.forward(self.methods[name], request, caller)
+        except Exception as err:  # noqa: BLE001 - whatever the handle raised, as the status it means
+            raise status_of(err) from None
+
+    async def list_runs(self, caller: Principal) -> list[pb.Run]:
+        return list((await self._call("ListRuns", pb.ListRunsRequest(), caller)).runs)
+
+    async def next_episode(self, req: agents_pb2.NextEpisodeRequest, caller: Principal
+                           ) -> agents_pb2.NextEpisodeResponse:
+        return await self._call("NextEpisode", req, caller)
+
+    async def start_episode(self, req: agents_pb2.StartEpisodeRequest, caller: Principal
+                            ) -> agents_pb2.StartEpisodeResponse:
+        return await self._call("StartEpisode", req, caller)
+
+    async def chat(self, req: agents_pb2.ChatRequest, caller: Principal) -> agents_pb2.ChatResponse:
+        return await self._call("Chat", req, caller)
+
+    async def end_episode(self, req: agents_pb2.EndEpisodeRequest, caller: Principal
+                          ) -> agents_pb2.EndEpisodeResponse:
+        return await self._call("EndEpisode", req, caller)
 
 
 def build(args: dict) -> serve.Application:

@@ -54,7 +54,8 @@ def gpu_cluster(tmp_path_factory):
     pytest.importorskip("ray", reason="Ray is not installed (install the offline bundle)")
     tmp = tmp_path_factory.mktemp("gpu-cluster")
     cfg = yaml.safe_load((ROOT / "examples" / "cluster_gpu_one.yaml").read_text())
-    cfg.update(ray_port=RAY_PORT, grpc_port=GRPC_PORT, runs_dir=str(tmp / "runs"), expose_internal=True)
+    cfg.update(ray_port=RAY_PORT, grpc_port=GRPC_PORT, http_port=GRPC_PORT + 1, runs_dir=str(tmp / "runs"),
+               expose_internal=True)
     cluster_file = tmp / "cluster.yaml"
     cluster_file.write_text(yaml.safe_dump(cfg))
     up = _run("deploy/serve", "up", str(cluster_file), timeout=600)

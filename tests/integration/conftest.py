@@ -121,7 +121,7 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
     data = yaml.safe_load(cluster_yaml.read_text())
     # Several checkouts on one machine: RLSERVE_TEST_PORT_OFFSET moves this session's clusters to other ports.
     offset = int(os.environ.get("RLSERVE_TEST_PORT_OFFSET", "0"))
-    for key in ("ray_port", "grpc_port"):
+    for key in ("ray_port", "grpc_port", "http_port"):
         if key in data:
             data[key] += offset
     data.update({"runs_dir": str(root / "runs"), "model_dirs": [str(root / "models")],

@@ -22,7 +22,7 @@ from tests.integration.runs_support import assert_consistent, events_until_end, 
 def default_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("default")
     data = yaml.safe_load(default_cluster_file().read_text())
-    data.update(ray_port=6500, grpc_port=9120, expose_internal=True)
+    data.update(ray_port=6500, grpc_port=9120, http_port=9121, expose_internal=True)
     (root / "default.yaml").write_text(yaml.safe_dump(data))
     with running_cluster(root / "default.yaml", root) as cluster:
         yield cluster

@@ -32,6 +32,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     up(cluster)
     tls = " with TLS" if cluster.cfg.tls else ""
     print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint}{tls}")
+    if cluster.http_url is not None:
+        print(f"serve: OpenAI-compatible endpoint {cluster.http_url}/v1 (the same bearer tokens)")
     if cluster.token_files is not None:
         print(f"serve: bearer token in {cluster.token_files[0]} (`rlserve` finds it; "
               f"`deploy/serve token` shows this path again)")

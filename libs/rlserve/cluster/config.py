@@ -141,6 +141,9 @@ class ClusterFile(BaseModel):
     ray_port: int = Field(6380, gt=0, lt=65536)
     # The public endpoint: rlserve's authenticating gRPC gateway (Serve's own proxies are off).
     grpc_port: int = Field(9000, gt=0, lt=65536)
+    # The gateway's HTTP listener on `host`, with the same tokens, limits and TLS: the APIs other ecosystems'
+    # clients speak (the OpenAI-compatible endpoint under /v1, `rlserve.agents`). None: no HTTP listener.
+    http_port: int | None = Field(9001, gt=0, lt=65536)
     # Ray dashboard on `host` (None: no dashboard).
     dashboard_port: int | None = Field(None, gt=0, lt=65536)
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.

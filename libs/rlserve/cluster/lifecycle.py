@@ -76,6 +76,13 @@ class Cluster:
     def grpc_endpoint(self) -> str:
         return f"{self.cfg.host}:{self.cfg.grpc_port}"
 
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP listener's base URL (the OpenAI-compatible endpoint is under /v1); None: no listener."""
+        if self.cfg.http_port is None:
+            return None
+        return f"{'https' if self.cfg.tls else 'http'}://{self.cfg.host}:{self.cfg.http_port}"
+
     def env(self) -> dict[str, str]:
         """Environment for Ray processes and drivers of this cluster."""
         env = {BIND_HOST_ENV: self.cfg.host, "RAY_USAGE_STATS_ENABLED": "0",

@@ -57,7 +57,7 @@ def _paths(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
 
 def _gateway(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
     tokens = token_files(cfg, runs_dir)
-    return {"host": cfg.host, "port": cfg.grpc_port, "expose_internal": cfg.expose_internal,
+    return {"host": cfg.host, "port": cfg.grpc_port, "http_port": cfg.http_port, "expose_internal": cfg.expose_internal,
             "tenancy": cfg.tenancy.model_dump(exclude_none=True), "read_cache_ms": cfg.read_cache_ms,
             "auth": None if tokens is None else {"token_file": str(tokens[0]), "admin_token_file": str(tokens[1]),
                                                  "users_file": str(users_file(cfg, runs_dir))},

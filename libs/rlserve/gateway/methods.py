@@ -1,6 +1,6 @@
 """Every RPC of the rlserve.v1 services, which application serves it, and who may call it.
 
-Run-facing RPCs (the Coordinator service) are public: a user token reaches
+Run-facing RPCs (the Coordinator and Agents services) are public: a user token reaches
 them, and they act for the caller (the gateway passes its principal). The services the coordinator
 calls by handle (Rollout, Reward, Environment, Reference, Learner) are internal: the gateway serves
 them only when the
@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from rlserve.v1 import coordinator_pb2, environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
+from rlserve.v1 import agents_pb2, coordinator_pb2, environment_pb2, learner_pb2, reference_pb2, reward_pb2, rollout_pb2
 
 # proto service -> (module, application, public)
 _SERVICES = {
     "Coordinator": (coordinator_pb2, "coordinator", True),
+    # External agents' episodes and calls (rlserve.agents), served by the coordinator for its runs.
+    "Agents": (agents_pb2, "coordinator", True),
     "Rollout": (rollout_pb2, "rollout", False),
     "Reward": (reward_pb2, "reward", False),
     # The reward application also serves the environments.
