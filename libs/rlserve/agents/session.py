@@ -161,10 +161,11 @@ class AgentSession:
             return self.closed or bool(self.offered) and self.unfinished < limit
 
         async with self.changed:
-            try:
-                await asyncio.wait_for(self.changed.wait_for(ready), max(0.0, wait_s))
-            except asyncio.TimeoutError:
-                return None
+            if not ready():
+                try:
+                    await asyncio.wait_for(self.changed.wait_for(ready), max(0.0, wait_s))
+                except asyncio.TimeoutError:
+                    return None
             if self.closed:
                 return None
             ep = self.offered.popleft()
