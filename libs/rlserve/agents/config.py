@@ -4,10 +4,12 @@ Its `env.args` (checked when the spec is read):
 
     tool_format     hermes | llama3: how the model family writes tool calls (`environments.tools.calls`),
                     which the endpoint parses out of completions into OpenAI `tool_calls`
-    declare_tools   auto | template | system: how a request's `tools` reach the model: the chat
+    declare_tools   auto | template | system | none: how a request's `tools` reach the model: the chat
                     template's own `tools=` (template), a system message in `tool_format`'s words, as
-                    the built-in tool_use environment writes it (system), or the template when it
-                    renders tools and else the system message (auto)
+                    the built-in tool_use environment writes it (system), the template when it renders
+                    tools and else the system message (auto), or not at all (none: a model taught the
+                    calls by SFT demonstrations, whose context cannot hold the schemas); the calls and
+                    the tools' answers are written in `tool_format` unless the template takes them
     tasks           run | agent: the run hands out its data's rows (`GET /v1/episodes/next`), or the
                     agent brings its own tasks (`POST /v1/episodes`; the run then validates nothing)
 """
@@ -25,7 +27,7 @@ class ExternalAgentArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tool_format: Literal["hermes", "llama3"] = "hermes"
-    declare_tools: Literal["auto", "template", "system"] = "auto"
+    declare_tools: Literal["auto", "template", "system", "none"] = "auto"
     tasks: Literal["run", "agent"] = "run"
 
     @classmethod

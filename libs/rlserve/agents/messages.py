@@ -2,7 +2,8 @@
 
 Tools reach the model as `env.args.declare_tools` says (`rlserve.agents.config`): through the chat
 template's own `tools=` (assistant tool calls and `tool` messages go to the template as transformers
-takes them), or in a system message in the words of the built-in tool_use environment, with each
+takes them), or in a system message in the words of the built-in tool_use environment (or not at all,
+`none`: a model that learnt the calls from demonstrations), with each
 assistant tool call written back in the model family's format (`environments.tools.calls.call_text`)
 and tool answers as that format's observation (hermes: a user turn of `<tool_response>` blocks;
 llama3: `tool` messages). A completion's calls are parsed with the same parsers (`parse_tool_calls`).
@@ -88,6 +89,7 @@ class Renderer:
 
     def __init__(self, tok: PromptTokenizer, args: ExternalAgentArgs):
         self.tok, self.fmt = tok, args.tool_format
+        self.declare = args.declare_tools != "none"
         self.in_template = args.declare_tools == "template" or (
             args.declare_tools == "auto" and tok.prompt_format == "chat" and tok.renders_tools())
 
@@ -112,7 +114,7 @@ class Renderer:
                 content = sep.join(([content] if content else []) + calls)
             out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         out = [{k: v for k, v in m.items() if k != "_tool_answers"} for m in out]
-        if tools:
+        if tools and self.declare:
             said = declaration([t["function"] for t in tools], self.fmt)
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + said}

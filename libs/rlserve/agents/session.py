@@ -46,7 +46,7 @@ from rlserve.agents.config import ExternalAgentArgs
 from rlserve.data.tasks import Example
 from rlserve.loop.inputs import RunInputs
 from rlserve.loop.services import RunServices
-from rlserve.rpc import RpcError, failed_precondition, invalid_argument, not_found
+from rlserve.rpc import RpcError, failed_precondition, invalid_argument, not_found, unavailable
 from rlserve.trajectories.generation import sampling_params
 from rlserve.trajectories.single_turn import score
 from rlserve.trajectories.timings import BatchTimings
@@ -306,6 +306,9 @@ class AgentSession:
             min_weight_version=ep.min_version, run_id=self.inputs.run_id, shared_base=spec.shares_deployed_base,
             priority=spec.priority))
         ep.timings.record_generate(resp, time.perf_counter() - t0)
+        if self.closed:
+            raise unavailable(f"model: run {self.inputs.run_id!r} stopped serving this attempt's episodes while "
+                              f"the call generated; try again")
         samples = list(resp.completions[0].samples)
         choices = await loop.run_in_executor(self.renders, self._choices, samples, req, tools is not None)
         out = agents_pb2.ChatResponse(episode_id=ep.id, call_id=f"{secrets.token_hex(12)}", prompt_tokens=len(prompt),
@@ -424,7 +427,10 @@ class AgentSession:
         async def notify() -> None:
             async with self.changed:
                 self.changed.notify_all()
-        asyncio.get_running_loop().create_task(notify())
+        try:
+            asyncio.get_running_loop().create_task(notify())
+        except RuntimeError:
+            pass  # no event loop: nobody waits
 
     def close(self) -> None:
         """The attempt ended: open episodes are withdrawn, agents waiting in `next` are answered."""
@@ -434,6 +440,7 @@ class AgentSession:
         for ep in list(self.episodes.values()):
             if not ep.ended:
                 self._end(ep, "withdrawn")
+        self._wake()  # agents waiting in `next` hear of it at once
         self.capture.close()
         self.renders.shutdown(wait=False)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from openai import AsyncOpenAI
 
@@ -69,7 +70,8 @@ def test_a_tool_using_agent_trains_its_run_token_exactly(endpoint):
 def test_an_agent_that_rewrites_its_history_trains_two_sequences_per_episode(endpoint):
     async def scenario():
         async with endpoint() as ep:
-            run = ep.run(grpo={"max_num_steps": 1, "val_period": 0, "val_at_start": False})
+            run = ep.run(grpo={"max_num_steps": 1, "val_period": 0, "val_at_start": False},
+                         loss_fn={"reference_policy_kl_penalty": 0.05})  # reference logprobs per sequence too
             loop = asyncio.create_task(drive(run, ep.services))
             await calculator_agent(ep.url, ep.keys["alice"], run.run_id, rewrite=True)
             await loop
@@ -85,6 +87,31 @@ def test_an_agent_that_rewrites_its_history_trains_two_sequences_per_episode(end
     assert all(advantages[2 * k] == advantages[2 * k + 1] for k in range(4))  # one reward, one advantage
     calls = [r for r in read(run.run_dir) if r["kind"] == "call"]
     assert {c["sequence"] for c in calls} == {0, 1} and not any(c["continued"] for c in calls)
+    assert ep.services.calls.reference == 1 and batch.ref_logprobs is not None
+
+
+def test_an_episode_never_ended_is_abandoned_and_its_group_dropped(endpoint):
+    async def scenario():
+        async with endpoint() as ep:
+            run = ep.run(env={"enabled": True, "name": "external_agent", "timeout_s": 1},
+                         grpo={"max_num_steps": 1, "val_period": 0, "val_at_start": False})
+            loop = asyncio.create_task(drive(run, ep.services))
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ep.keys['alice']}"}) as http:
+                while True:  # the first episode handed out is forgotten by its agent
+                    first = (await http.get(f"{ep.url}/episodes/next", params={"model": run.run_id,
+                                                                               "wait_s": 1})).json()
+                    if first["episode_id"]:
+                        break
+                await asyncio.sleep(1.5)
+                late = await http.post(f"{first['base_url']}/reward", json={"reward": 1.0})
+                await calculator_agent(ep.url, ep.keys["alice"], run.run_id)
+            await loop
+            return run, late
+
+    run, late = asyncio.run(scenario())
+    assert run.ledger.dropped["episode_abandoned"] == 2 and run.ledger.trained == 2 and run.ledger.balanced()
+    assert late.status_code == 400 and late.json()["error"]["param"] == "episode_id"
+    assert "abandoned" in late.json()["error"]["message"]
 
 
 def test_streaming_gives_what_the_whole_answer_gives(endpoint):
