@@ -53,6 +53,9 @@ def cluster_file(root: Path, given: Path | None) -> Path:
         data["services"]["reference"]["args"]["model"] = "preset:tiny-chat"
     data.update({"ray_port": 6790, "grpc_port": 9310, "http_port": 9311, "runs_dir": str(root / "runs"),
                  "expose_internal": True})
+    # The measurement's one caller must not meet the per-caller limits (50 calls/s by default).
+    data.setdefault("tenancy", {})["callers"] = {"calls_per_s": 100_000, "call_burst": 100_000,
+                                                 "max_calls_in_flight": 4096}
     path = root / "cluster.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

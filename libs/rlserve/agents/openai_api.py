@@ -164,10 +164,13 @@ class OpenAiApi:
             return web.json_response(whole(resp, req.run_id, logprobs))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
-        for chunk in chunks(resp, req.run_id, logprobs, usage):
-            await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+        try:
+            for chunk in chunks(resp, req.run_id, logprobs, usage):
+                await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; the call is captured all the same
         return out
 
     async def next_episode(self, request: web.Request) -> web.StreamResponse:

@@ -1,8 +1,9 @@
 """Trajectories of RL runs, from prompts to the trainer:
 
     trajectory.py   the one Trajectory type (a single-turn sample is an episode of one turn) and Group
-    rollout.play    the one producer of groups: single_turn.py (one Generate, one batch Score) or
-                    episodes.py (multi-turn, an environment's Step per turn); reference logprobs
+    rollout.play    the one producer of groups: single_turn.py (one Generate, one batch Score),
+                    episodes.py (multi-turn, an environment's Step per turn) or external.py (episodes
+                    agent programs play through the OpenAI-compatible endpoint); reference logprobs
     generation.py   what a rollout request is made of: plays, sampling, the Generate call
     producer.py     a run's steps of groups, as soon as the staleness bound allows (streaming, DAPO's
                     dynamic sampling)
