@@ -129,6 +129,8 @@ def test_cancel_stops_a_run_and_the_services_stay_usable(client):
      "policy.generation.vllm_cfg.max_model_len: the run asks for 1024 but the rollout service runs 128"),
     (spec(checkpointing__checkpoint_dir="/tmp/elsewhere"), grpc.StatusCode.INVALID_ARGUMENT,
      "checkpointing.checkpoint_dir: not supported"),
+    (spec(policy__routing_replay=True), grpc.StatusCode.INVALID_ARGUMENT,
+     "policy.routing_replay: replays Mixtral- and Qwen3-MoE-shaped models' routing; "),
     # tiny has 2 KV heads: the dtensor plan cannot split them 4 ways.
     (spec(policy__dtensor_cfg__tensor_parallel_size=4, cluster__num_workers=4), grpc.StatusCode.FAILED_PRECONDITION,
      "policy.dtensor_cfg.tensor_parallel_size 4 exceeds the model's 2 KV heads"),

@@ -80,6 +80,19 @@ def test_rollout_rejects_bad_requests(channel, request_, field):
     assert stub.GetInfo(rollout_pb2.GetInfoRequest()).engine == "vllm"
 
 
+def test_a_rollout_that_cannot_record_routing_says_why(channel):
+    """vLLM's CPU backend has no routed-experts capture: GetInfo says so, and a request for routing is
+    refused FAILED_PRECONDITION with that reason (SubmitRun refuses policy.routing_replay for it)."""
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    reason = stub.GetInfo(rollout_pb2.GetInfoRequest()).routing_unavailable
+    assert "Model Runner V2" in reason
+    request_ = gen_request()
+    request_.routed_experts = True
+    err = status_of(lambda: stub.Generate(request_))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == f"routed_experts: the vllm engine cannot record MoE routing ({reason})"
+
+
 @pytest.mark.parametrize("request_, field", [
     (rollout_pb2.UpdateWeightsRequest(shared_base=True, store_name="rlserve-weights"), "run_id"),
     (rollout_pb2.UpdateWeightsRequest(shared_base=True, run_id="alice.r", store_name="other"), "store_name"),

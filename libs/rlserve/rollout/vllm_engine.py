@@ -45,6 +45,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -277,7 +278,7 @@ class VllmEngine(RolloutEngine):
             if o.routed_experts is None:
                 raise RuntimeError("vLLM returned no routed experts (is the model a mixture of experts?)")
             # [positions, layers, k] of prompt + sample; the last token's (if vLLM reports one) is not needed.
-            routes = torch.as_tensor(o.routed_experts).to(torch.int16)[:prompt_len + len(ids) - 1]
+            routes = torch.from_numpy(np.asarray(o.routed_experts).astype(np.int16))[:prompt_len + len(ids) - 1]
         return GeneratedSample(ids, logprobs, _FINISH.get(o.finish_reason, "stop"), text, runs, routes)
 
     # --- weight updates ----------------------------------------------------------------
