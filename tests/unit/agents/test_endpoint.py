@@ -179,3 +179,34 @@ def test_two_users_play_their_own_runs_at_once_and_never_see_the_others(endpoint
     assert listed == ["alice.r"]
     callers = {r["caller"] for run in runs.values() for r in read(run.run_dir) if r["kind"] == "call"}
     assert callers == {"alice", "bob"}
+
+
+def test_an_agent_that_brings_its_own_tasks_trains_them_in_groups(endpoint):
+    async def scenario():
+        async with endpoint() as ep:
+            run = ep.run(env={"enabled": True, "name": "external_agent", "args": {"tasks": "agent"}},
+                         grpo={"max_num_steps": 1, "val_period": 0, "val_at_start": False})
+            loop = asyncio.create_task(drive(run, ep.services))
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {ep.keys['alice']}"}) as http, \
+                    AsyncOpenAI(base_url=ep.url, api_key=ep.keys["alice"], max_retries=0) as client:
+                for k in range(4):  # two tasks of my own, two episodes each (the run's group size)
+                    while True:
+                        started = await http.post(f"{ep.url}/episodes", json={
+                            "model": run.run_id, "task_id": f"mine-{k // 2}", "answer": "408"})
+                        if started.status_code != 503:  # until the run's first play opened its session
+                            break
+                        await asyncio.sleep(0.1)
+                    assert started.status_code == 200, started.text
+                    episode = started.json()
+                    await client.with_options(base_url=episode["base_url"]).chat.completions.create(
+                        model=run.run_id, messages=[{"role": "user", "content": f"What is 12*3{k}?"}])
+                    # Scored by the run's reward functions (the fake's: a function of the text, 0 and 0.5 here).
+                    done = await http.post(f"{episode['base_url']}/reward", json={"answer": "y" if k % 2 else "x"})
+                    assert done.status_code == 200 and done.json()["reward"] == k % 2 / 2, done.text
+            await loop
+            return run
+
+    run = asyncio.run(scenario())
+    assert run.ledger.trained == 4 and run.ledger.balanced(), run.error
+    tasks = {r["task_id"] for r in read(run.run_dir) if r["kind"] == "call"}
+    assert tasks == {"mine-0", "mine-1"}
