@@ -85,6 +85,7 @@ TASKS = Registry("task", {
 ROLLOUT_ENGINES = Registry("rollout engine", {
     "vllm": "rlserve.rollout.vllm_engine:VllmEngine",
     "transformers": "rlserve.rollout.registry:transformers_engine",
+    "auto": "rlserve.rollout.registry:auto_engine",
 }, "rlserve.rollout_engines")
 
 

@@ -24,12 +24,23 @@ def _cluster(path: Path | None):
     return cluster
 
 
+def _engine_line(engine: str) -> str:
+    """What `engine: auto` chose for the rollout, for the operator."""
+    if engine == "vllm":
+        return "serve: rollout engine: vllm (services.rollout.args.engine: auto, and vLLM runs on the rollout's device)"
+    return (f"serve: rollout engine: {engine}, not vLLM: vLLM is missing on the rollout's node, or has no build for "
+            f"its device (services.rollout.args.engine: auto; the rollout replica's log says which). "
+            f"`pip install .[gpu]` installs vLLM (docs/gpus.md, \"vLLM on GPUs\")")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    from rlserve.cluster.lifecycle import up
+    from rlserve.cluster.lifecycle import served_engine, up
 
     cluster = _cluster(args.cluster)
     print(f"serve: starting {cluster.cfg.name} ({'local head on ' + cluster.cfg.host if not cluster.cfg.address else 'at ' + cluster.cfg.address})", flush=True)
     up(cluster)
+    if cluster.cfg.services.rollout.args.get("engine") == "auto":
+        print(_engine_line(served_engine(cluster)), flush=True)
     tls = " with TLS" if cluster.cfg.tls else ""
     print(f"serve: all services running; gRPC endpoint {cluster.grpc_endpoint}{tls}")
     if cluster.http_url is not None:

@@ -35,6 +35,12 @@ class ServiceCfg(BaseModel):
     # None: the service's default (DEFAULT_NUM_CPUS).
     num_cpus: float | None = Field(None, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # GPU memory one replica uses at its peak on each GPU it runs on, GiB: its CUDA context and its caching
+    # allocator's reserve included (what nvidia-smi shows), not only what its tensors hold. For the learner:
+    # what its workers take of a GPU they share, together (their GPU share comes with each run's spec,
+    # `cluster.gpus_per_worker`). `deploy/serve up` refuses a layout whose declared needs on one GPU exceed
+    # the card (`rlserve.cluster.gpu_memory`). None: not declared (not checked).
+    gpu_memory_gib: float | None = Field(None, gt=0)
     env_vars: dict[str, str] = {}
     # Custom Ray resources each replica needs, e.g. {rollout_slot: 1}: it then runs only on
     # nodes that offer them (see `nodes`).
@@ -152,6 +158,15 @@ class ClusterFile(BaseModel):
     # the node's GPUs itself.
     num_gpus: int | None = Field(None, ge=0)
     object_store_memory_mb: int = Field(1024, ge=78)
+    # PyTorch's CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF) for every service that uses a GPU (num_gpus > 0
+    # or a declared gpu_memory_gib; the learner's workers inherit its replica's). Expandable segments keep a
+    # replica's reserve near what it uses: without them, one 1b step's generation left the rollout's allocator
+    # holding 70.7 GiB for about 18 GiB in use, and the learner ran out of memory (issue 45). A service's own
+    # env_vars win; "": PyTorch's defaults.
+    cuda_alloc_conf: str = "expandable_segments:True"
+    # Memory of each GPU, GiB, for the check of the services' gpu_memory_gib; None: read from this machine's
+    # GPUs at `deploy/serve up` (torch.cuda.get_device_properties; the smallest card), not checked without one.
+    gpu_card_gib: float | None = Field(None, gt=0)
     # Where runs, cluster state and logs go. None: ./runs in the working directory;
     # relative paths: to the cluster file.
     runs_dir: str | None = None
@@ -230,6 +245,12 @@ class ClusterFile(BaseModel):
             return False
         engine = set(rollout.args.get("cpu_cores") or rollout.cpu_cores)
         return not (engine and learner.cpu_cores and engine.isdisjoint(learner.cpu_cores))
+
+    def uses_gpu(self, name: str) -> bool:
+        """Whether service `name`'s processes use a GPU: its replicas ask for one, or it declares GPU memory (the
+        learner, whose workers take their GPUs by each run's spec)."""
+        svc = getattr(self.services, name)
+        return svc.num_gpus > 0 or svc.gpu_memory_gib is not None
 
     @property
     def loopback(self) -> bool:

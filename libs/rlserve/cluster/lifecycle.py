@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from rlserve.cluster import gpu_memory
 from rlserve.cluster.config import ClusterFile
 from rlserve.cluster.loopback import BIND_HOST_ENV
 from rlserve.cluster.serve_config import (
@@ -321,6 +322,8 @@ def deploy(cluster: Cluster, config: dict[str, Any], only: list[str] | None = No
 
 def up(cluster: Cluster) -> dict[str, Any]:
     """Start what is not running (the head, extra nodes) and deploy every application; safe to repeat."""
+    for line in gpu_memory.check(cluster.cfg):  # a layout that cannot fit is refused before anything starts
+        print(f"serve: {line}", file=sys.stderr, flush=True)
     config = serve_config(cluster.cfg, cluster.runs_dir)
     cluster.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for note in prepare_auth(cluster):
@@ -333,6 +336,18 @@ def up(cluster: Cluster) -> dict[str, Any]:
     _serve_start(cluster, config)
     deploy(cluster, config)
     return config
+
+
+def served_engine(cluster: Cluster, timeout_s: float = 120) -> str:
+    """The engine the rollout service generates with (its GetInfo), e.g. "transformers" where `engine: auto`
+    found no vLLM for its device."""
+    connect(cluster)
+    from ray import serve
+
+    from rlserve.v1 import rollout_pb2
+
+    handle = serve.get_app_handle("rollout")
+    return handle.GetInfo.remote(rollout_pb2.GetInfoRequest()).result(timeout_s=timeout_s).engine
 
 
 def down(cluster: Cluster) -> None:
@@ -452,4 +467,4 @@ def swap_reward(cluster: Cluster, target: str) -> dict[str, Any]:
 
 
 __all__ = ["APPS", "Cluster", "connect", "current_config", "deploy", "down", "kill_node", "node_status",
-           "start_node", "status", "swap_reward", "up"]
+           "served_engine", "start_node", "status", "swap_reward", "up"]

@@ -27,6 +27,8 @@ APPS = {
 }
 # Services whose requests name files: they get the cluster's directories.
 _WITH_PATHS = ("reference", "rollout", "learner", "coordinator")
+# PyTorch's CUDA caching allocator reads its settings from here when a process first allocates on a GPU.
+CUDA_ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 # The gateway forwards calls; it needs little CPU.
 GATEWAY_NUM_CPUS = 0.05
 
@@ -64,6 +66,13 @@ def _gateway(cfg: ClusterFile, runs_dir: Path) -> dict[str, Any]:
             "tls": None if cfg.tls is None else {"cert_file": cfg.tls.cert_file, "key_file": cfg.tls.key_file}}
 
 
+def _allocator_env(cfg: ClusterFile, name: str) -> dict[str, str]:
+    """The cluster's CUDA allocator settings for a service that uses a GPU (`ClusterFile.cuda_alloc_conf`)."""
+    if not cfg.cuda_alloc_conf or not cfg.uses_gpu(name):
+        return {}
+    return {CUDA_ALLOC_CONF_ENV: cfg.cuda_alloc_conf}
+
+
 def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
     svc = getattr(cfg.services, name, None)
     args = dict(svc.args) if svc else {}
@@ -90,8 +99,8 @@ def app_args(cfg: ClusterFile, name: str, runs_dir: Path) -> dict[str, Any]:
         # The cluster's plug-ins reach the replicas and what they start (learner workers inherit the
         # replica's runtime environment, the coordinator's spec reader its process environment).
         args["deployment"] = {"num_replicas": svc.replicas, "num_cpus": svc.num_cpus, "num_gpus": svc.num_gpus,
-                              "env_vars": {**svc.env_vars, **cfg.plugins.env()}, "resources": svc.resources, "cpu_cores": svc.cpu_cores,
-                              "nice": svc.nice}
+                              "env_vars": {**_allocator_env(cfg, name), **svc.env_vars, **cfg.plugins.env()},
+                              "resources": svc.resources, "cpu_cores": svc.cpu_cores, "nice": svc.nice}
     return args
 
 
