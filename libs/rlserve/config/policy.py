@@ -92,7 +92,12 @@ class DTensorCfg(Section):
     enabled: bool = True
     tensor_parallel_size: int = Field(1, ge=1, le=MAX_WORKERS)
     sequence_parallel: bool = False
+    # Decoder layers keep only their input and recompute the rest in backward (less memory, one more forward).
     activation_checkpointing: bool = False
+    # With activation_checkpointing: the share of decoder layers that do, spread evenly over the stack (0.25 of
+    # 16: layers 3, 7, 11, 15); 1.0: every layer. A LoRA run's activations are most of its memory: checkpointing
+    # a share of layers trades memory for a share of one forward's time.
+    activation_checkpointing_fraction: float = Field(1.0, gt=0, le=1)
     cpu_offload: bool = False
     lora_cfg: LoraCfg = LoraCfg()
 

@@ -42,6 +42,28 @@ class StepResult:
     metrics: dict[str, float]
 
 
+class _Span:
+    """Seconds between its start and `end`: on the GPU by CUDA events (read once the step's results are, no host
+    sync of its own), else by the host clock."""
+
+    def __init__(self, on_gpu: bool):
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu else None
+        if self.events:
+            self.events[0].record()
+        self.t0, self.t1 = time.perf_counter(), 0.0
+
+    def end(self) -> None:
+        if self.events:
+            self.events[1].record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events:
+            self.events[1].synchronize()
+            return self.events[0].elapsed_time(self.events[1]) / 1000
+        return self.t1 - self.t0
+
+
 class LearnerBackend(ABC):
     """What a step and a checkpoint mean is fixed here (`train_step`, `save_checkpoint`); a backend
     supplies the machinery that runs the objective's optimizer updates, reduces its metrics over
@@ -76,16 +98,22 @@ class LearnerBackend(ABC):
         advances once per step.
         """
         t0 = time.perf_counter()
+        on_gpu = torch.cuda.is_initialized()  # a learner on a GPU: its step's peak memory is reported
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         objective = StepObjective(self.spec, batch, loss_name, self.dp_size, self.dp_rank, self.pad_id)
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        reference_pass = None
         if objective.reference_missing:
             if self.adapter_config is None:
                 raise ValueError("the loss needs reference logprobs (loss_fn.reference_policy_kl_penalty > 0) "
                                  "and the batch carries none")
+            reference_pass = _Span(on_gpu)
             with torch.no_grad():
                 objective.set_reference(self._reference_logprobs(objective))
+            reference_pass.end()
         grad_norms = self._run_updates(objective)
         if lr is None:
             self.scheduler.step()
@@ -96,6 +124,11 @@ class LearnerBackend(ABC):
         elapsed = time.perf_counter() - t0
         metrics["perf/learner_step_seconds"] = elapsed
         metrics["perf/learner_tokens_per_s"] = objective.total_tokens / elapsed
+        if reference_pass is not None:  # a LoRA learner's reference pass (its base, adapters off): the reference
+            metrics["perf/learner_reference_seconds"] = reference_pass.seconds()  # service's work in other runs
+        if on_gpu:  # what this step held on the GPU at its peak: its tensors, and its caching allocator's reserve
+            metrics["perf/learner_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            metrics["perf/learner_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         metrics["usage/trained_tokens"] = float(objective.total_tokens)
         metrics["usage/training_device_s"] = elapsed * (dist.get_world_size() if dist.is_initialized() else 1)
         return StepResult(self._version, metrics)

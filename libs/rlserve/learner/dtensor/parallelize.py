@@ -165,10 +165,16 @@ def apply_tp(lm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
         })
 
 
-def apply_activation_checkpointing(lm: nn.Module) -> None:
+def checkpointed_layers(num_layers: int, fraction: float) -> list[int]:
+    """The layers that checkpoint, `fraction` of them spread evenly: (16, 0.25) -> [3, 7, 11, 15]."""
+    return [i for i in range(num_layers) if int((i + 1) * fraction + 1e-9) > int(i * fraction + 1e-9)]
+
+
+def apply_activation_checkpointing(lm: nn.Module, fraction: float) -> None:
+    """Those layers keep only their input; backward recomputes the rest."""
     layers = decoder_layers(lm)
-    for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    for i in checkpointed_layers(len(layers), fraction):
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
 
 
 def apply_fsdp(root: nn.Module, lm: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -200,5 +206,5 @@ def parallelize(root: nn.Module, lm: nn.Module, mesh: DeviceMesh, cfg: DTensorCf
     if mesh["tp"].size() > 1:
         apply_tp(lm, mesh["tp"], cfg.sequence_parallel)
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(lm)
+        apply_activation_checkpointing(lm, cfg.activation_checkpointing_fraction)
     apply_fsdp(root, lm, mesh["dp"], param_dtype, cfg.cpu_offload, frozen_outside)
