@@ -17,9 +17,13 @@ Runs (`--runs`, each `learner:layout`):
                               "balanced"; `packed-ffd`: plain first-fit decreasing);
   - dtensor|megatron:fixed    every row `--fixed-seq` tokens (prompt `--prompt`), as many rows as
                               make the batch's real token count, `--pack-tokens` tokens per micro-batch.
-  - dtensor-lora:LAYOUT       the dtensor backend training rank-32 LoRA adapters on every linear layer
-                              of attention and MLP (the base frozen in bf16); rows report step time and
-                              peak memory against dtensor:LAYOUT (full fine-tuning).
+  - dtensor-lora:LAYOUT       the dtensor backend training LoRA adapters of rank `--lora-rank` (32) on every
+                              linear layer of attention and MLP (the base frozen in bf16); rows report step
+                              time and peak memory against dtensor:LAYOUT (full fine-tuning, no checkpointing).
+  - LEARNER+acF:LAYOUT        a dtensor learner with activation checkpointing of the fraction F of its decoder
+                              layers (`policy.dtensor_cfg.activation_checkpointing_fraction`; each keeps only
+                              its input), e.g. dtensor-lora+ac0.125:packed; `--activation-checkpointing` turns it
+                              on for every dtensor run (all layers) instead.
 
 Reported per run: real (non-pad) tokens/s, model TFLOP/s and MFU on real tokens (6 x parameters
 without the input embedding per token, plus 12 x layers x hidden x length per token of each
@@ -30,6 +34,10 @@ whole run, and over the training steps alone). With several runs, each runs in a
 against the plain function, at the preset's vocabulary.
 
     python scripts/bench/learner_rl_gpu.py --preset 1b --out rl.json
+    # LoRA against full on the 1b GRPO step's batch, LoRA with 0, 1/16, 1/8 and 1/4 of the layers checkpointed:
+    python scripts/bench/learner_rl_gpu.py --preset 1b --seqs 128 --prompt 12 --max-len 524 --median-completion 2000 \
+        --micro-batch 16 --pack-tokens 16384 --lora-rank 32 --runs dtensor:packed dtensor-lora:packed \
+        dtensor-lora+ac0.0625:packed dtensor-lora+ac0.125:packed dtensor-lora+ac0.25:packed
 """
 
 from __future__ import annotations
@@ -82,9 +90,20 @@ def model_flops(path: Path, lengths: list[int]) -> float:
     return sum(6 * params * n + 12 * config.num_hidden_layers * config.hidden_size * n * n for n in lengths)
 
 
-def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_len: int,
-             activation_checkpointing: bool = False):
+def learner_of(name: str, activation_checkpointing: bool) -> tuple[str, float | None]:
+    """(backend, fraction of layers checkpointed or None) of a run's learner part: "dtensor-lora+ac0.125" ->
+    ("dtensor-lora", 0.125); `activation_checkpointing` (the flag): every layer of a dtensor run."""
+    backend, _, ac = name.partition("+ac")
+    if ac:
+        return backend, float(ac)
+    return backend, 1.0 if activation_checkpointing and backend.startswith("dtensor") else None
+
+
+def spec_for(name: str, layout: str, micro_batch: int, pack_tokens: int, max_len: int, lora_rank: int,
+             activation_checkpointing: bool):
     from rlserve.config import parse_spec
+
+    backend, ac_fraction = learner_of(name, activation_checkpointing)
 
     packing = {"enabled": layout.startswith("packed"), "train_mb_tokens": pack_tokens}
     if layout == "packed-ffd":
@@ -95,19 +114,20 @@ def spec_for(backend: str, layout: str, micro_batch: int, pack_tokens: int, max_
     if backend == "megatron":
         policy["megatron_cfg"] = {"enabled": True}
     if backend.startswith("dtensor"):
-        policy["dtensor_cfg"] = {"activation_checkpointing": activation_checkpointing}
+        policy["dtensor_cfg"] = {"activation_checkpointing": ac_fraction is not None,
+                                 "activation_checkpointing_fraction": ac_fraction or 1.0}
     if backend == "dtensor-lora":
-        policy["dtensor_cfg"]["lora_cfg"] = {"enabled": True, "dim": 32}
+        policy["dtensor_cfg"]["lora_cfg"] = {"enabled": True, "dim": lora_rank}
     return parse_spec({"policy": policy, "cluster": {"device": "cuda"},
                        "loss_fn": {"reference_policy_kl_penalty": 0.01, "use_importance_sampling_correction": True}})
 
 
 def backend_step(name: str, path: Path, batch: TrainBatch, layout: str, micro_batch: int, pack_tokens: int,
-                 max_len: int, activation_checkpointing: bool) -> tuple[Callable[[], None], str, dict]:
+                 max_len: int, lora_rank: int, activation_checkpointing: bool) -> tuple[Callable[[], None], str, dict]:
     from rlserve.learner import make_backend
     from rlserve.training.objective import StepObjective
 
-    spec = spec_for(name, layout, micro_batch, pack_tokens, max_len, activation_checkpointing)
+    spec = spec_for(name, layout, micro_batch, pack_tokens, max_len, lora_rank, activation_checkpointing)
     backend = make_backend(spec, path, torch.device("cuda", 0))
     plan = StepObjective(spec, batch, "grpo", 1, 0, backend.pad_id).plans
     shape = {"micro_batches": sum(len(p) for p in plan),
@@ -203,6 +223,7 @@ def main() -> None:
                                                       "megatron:fixed"])
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="the dtensor backend's activation checkpointing, for every dtensor run")
+    parser.add_argument("--lora-rank", type=int, default=32, help="the adapters' rank in dtensor-lora runs")
     parser.add_argument("--logprob-memory", type=int, default=0, help="rows for the logprob memory check (0: skip)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -226,6 +247,7 @@ def main() -> None:
               "lengths": {"mean": real / len(lengths), "max": max(lengths), "min": min(lengths), "total": real},
               "micro_batch": args.micro_batch, "pack_tokens": args.pack_tokens, "fixed_seq": args.fixed_seq,
               "steps": args.steps, "activation_checkpointing": args.activation_checkpointing,
+              "lora_rank": args.lora_rank,
               "matmul_bf16_tflops": peak, "rows": []}
     for run in args.runs:
         name, layout = run.split(":")
@@ -247,7 +269,7 @@ def run_isolated(run: str, args) -> dict:
     out = Path(tempfile.mkdtemp()) / "row.json"
     cmd = [sys.executable, __file__, "--runs", run, "--out", str(out)]
     for key in ("preset", "seqs", "prompt", "max_len", "median_completion", "micro_batch", "pack_tokens", "fixed_seq",
-                "steps", "seed"):
+                "steps", "seed", "lora_rank"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.activation_checkpointing:
         cmd.append("--activation-checkpointing")
@@ -267,7 +289,7 @@ def measure(run: str, name: str, layout: str, batch: TrainBatch, path: Path, arg
         else:
             micro = args.pack_tokens // args.fixed_seq if layout == "fixed" else args.micro_batch
             step, desc, shape = backend_step(name, path, batch, layout, micro, args.pack_tokens, args.max_len,
-                                             args.activation_checkpointing)
+                                             args.lora_rank, args.activation_checkpointing)
         build_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         seconds = sync_time(step, args.steps)
@@ -290,12 +312,13 @@ def measure(run: str, name: str, layout: str, batch: TrainBatch, path: Path, arg
 
 def add_ratios(rows: list[dict]) -> None:
     """Real tokens/s against the same learner padded and on fixed-length rows, and against plain; a
-    LoRA run's step time and peak memory against full fine-tuning in the same layout."""
+    LoRA run's step time and peak memory against full fine-tuning (no checkpointing) in the same layout."""
     by_run = {r["run"]: r for r in rows if "real_tokens_per_s" in r}
     for r in by_run.values():
         name, layout = r["run"].split(":")
-        full = by_run.get(f"{name.removesuffix('-lora')}:{layout}")
-        if name.endswith("-lora") and full is not None:
+        backend = name.partition("+ac")[0]
+        full = by_run.get(f"{backend.removesuffix('-lora')}:{layout}")
+        if backend.endswith("-lora") and full is not None:
             r["step_time_vs_full"] = r["step_s"] / full["step_s"]
             r["peak_mem_vs_full"] = r["peak_mem_gib"] / full["peak_mem_gib"]
         for ref_run, key in ((f"{name}:padded", "vs_padded"), (f"{name}:fixed", "vs_fixed"),
