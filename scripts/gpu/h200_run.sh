@@ -9,7 +9,13 @@
 # bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu),
 # soak (scripts/bench/soak.py on the machine's CPU cores; SOAK_ARGS adds to its arguments),
 # consistency (scripts/bench/consistency.py: generator-vs-learner logprobs, bf16 and fp32, dense and MoE,
-# with and without routing replay).
+# with and without routing replay),
+# lora (full fine-tuning and LoRA through the cluster, LORA_STEPS steps each: examples/grpo_1b_gpu.yaml on
+# cluster_gpu_one_1b, examples/grpo_1b_lora_gpu.yaml on cluster_gpu_one_1b_lora; prints step time, the
+# learner's time and peak, and each service's GPU memory against its declared gpu_memory_gib:
+# scripts/gpu/cluster_memory.py), lora-bare (the learner alone on the same batch: LoRA with 0, 1/16, 1/8 and
+# 1/4 of the layers checkpointed against full), memory (the demo's cluster, each service against its
+# declaration).
 # Each stage logs to OUT/<stage>.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,8 +26,11 @@ mkdir -p "$out"
 
 run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME.log and OUT/NAME.tgz
   local cluster=$1 spec=$2 name=$3 t0=$SECONDS run_dir
-  nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -l 5 > "$out/$name-gpu.csv" &
+  nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -lms 500 > "$out/$name-gpu.csv" &
   local sampler=$!
+  # What each GPU process is (nvidia-smi names some "[No data]": the learner's workers), for cluster_memory.py.
+  while sleep 2; do ps -eo pid=,args= | grep ' ray::' ; done > "$out/$name-ps.txt" 2>/dev/null &
+  local ps_sampler=$!
   {
     deploy/serve up "$cluster"
     echo "serve up: $((SECONDS - t0))s"
@@ -32,7 +41,7 @@ run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME
     nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
     deploy/serve down "$cluster"
   } > "$out/$name.log" 2>&1
-  kill "$sampler"
+  kill "$sampler" "$ps_sampler"
   tail -25 "$out/$name.log"
   run_dir=$(ls -td runs/*/ 2>/dev/null | head -1)
   # The run's records, not its weights, checkpoints or tokens (a 1b run's folder is gigabytes).
@@ -87,6 +96,37 @@ PY
           --engines transformers --dtypes bfloat16 float32 --models 1b qwen3-moe-gpu --prompts 64 --samples 8 \
           --new-tokens 256 --micro-batch 16 --out h200_consistency ${CONSISTENCY_ARGS:-} > "$out/consistency.log" 2>&1
       cp bench-results/h200_consistency.json "$out/" 2>/dev/null; tail -8 "$out/consistency.log";;
+    lora)  # full and LoRA through the cluster, LORA_STEPS (6) sync steps each, then the table
+      python3 - "$out" "${LORA_STEPS:-6}" <<'PY'
+import sys, yaml
+out, steps = sys.argv[1], int(sys.argv[2])
+for name, path in (("full", "examples/grpo_1b_gpu.yaml"), ("lora", "examples/grpo_1b_lora_gpu.yaml")):
+    spec = yaml.safe_load(open(path))
+    spec["grpo"]["max_num_steps"] = steps
+    yaml.safe_dump(spec, open(f"{out}/lora-{name}-spec.yaml", "w"))
+PY
+      run_cluster examples/cluster_gpu_one_1b.yaml "$out/lora-full-spec.yaml" lora-full
+      run_cluster examples/cluster_gpu_one_1b_lora.yaml "$out/lora-lora-spec.yaml" lora-lora
+      python3 scripts/gpu/cluster_memory.py "$out" lora-full=examples/cluster_gpu_one_1b.yaml \
+          lora-lora=examples/cluster_gpu_one_1b_lora.yaml --out "$out/lora.json" | tee "$out/lora.txt";;
+    lora-bare)  # the learner alone on the 1b step's batch: full, and LoRA with a share of the layers checkpointed
+      python3 scripts/bench/learner_rl_gpu.py --preset 1b --seqs 128 --prompt 12 --max-len 524 \
+          --median-completion 2000 --micro-batch 16 --pack-tokens 16384 --lora-rank 32 --steps 3 \
+          --runs dtensor:packed dtensor-lora:packed dtensor-lora+ac0.0625:packed dtensor-lora+ac0.125:packed \
+          dtensor-lora+ac0.25:packed --out "$out/lora-bare.json" > "$out/lora-bare.log" 2>&1
+      python3 - "$out/lora-bare.json" <<'PY' | tee "$out/lora-bare.txt"
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    line = r["error"][:90] if "error" in r else f"{r['step_s']:.3f} s, peak {r['peak_mem_gib']:.1f} GiB"
+    if "step_time_vs_full" in r:
+        line += f", time {r['step_time_vs_full']:.3f}x and memory {r['peak_mem_vs_full']:.3f}x full's"
+    print(f"{r['run']:30} {line}")
+PY
+      ;;
+    memory)  # the demo's cluster: each service's GPU memory against its declaration
+      run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml memory-demo
+      python3 scripts/gpu/cluster_memory.py "$out" memory-demo=examples/cluster_gpu_one.yaml \
+          --out "$out/memory.json" | tee "$out/memory.txt";;
     *) echo "unknown stage $stage" >&2; exit 2;;
   esac
 done
