@@ -52,6 +52,8 @@ def median(steps: list[dict], key: str) -> float | None:
 def service_of(name: str, args: str) -> str:
     """The service a GPU process belongs to, from nvidia-smi's process name or its command line."""
     text = f"{name} {args}"
+    if "VLLM::" in text or "EngineCore" in text:  # vLLM's engine process, a child of the rollout's replica
+        return "rollout"
     for service in ("rollout", "reference", "reward"):
         if f":{service}:" in text or f"{service.capitalize()}" in text:
             return service
@@ -66,21 +68,23 @@ def gpu_peaks(csv_path: Path, ps_path: Path) -> tuple[dict[str, float], float]:
     if ps_path.is_file():
         for line in ps_path.read_text().splitlines():
             pid, _, rest = line.strip().partition(" ")
-            if pid.isdigit() and rest.startswith("ray::"):
+            if pid.isdigit() and rest.startswith(("ray::", "VLLM::")):
                 args[pid] = rest
-    per_service: dict[str, float] = defaultdict(float)
-    per_sample: dict[str, float] = defaultdict(float)
     if not csv_path.is_file():
         return {}, 0.0
+    # One nvidia-smi sample's rows share its timestamp; a service's processes (vLLM's engine beside its replica,
+    # several learner workers) add up within a sample.
+    per_sample: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for row in csv.reader(csv_path.read_text().splitlines()):
         if len(row) < 4 or not row[3].strip().endswith("MiB"):
             continue
         stamp, pid, name, used = (c.strip() for c in row[:4])
-        gib = float(used.removesuffix("MiB")) / MIB_PER_GIB
-        service = service_of(name, args.get(pid, ""))
-        per_service[service] = max(per_service[service], gib)
-        per_sample[stamp] += gib  # one nvidia-smi sample: its rows share its timestamp
-    return dict(per_service), max(per_sample.values(), default=0.0)
+        per_sample[stamp][service_of(name, args.get(pid, ""))] += float(used.removesuffix("MiB")) / MIB_PER_GIB
+    per_service: dict[str, float] = defaultdict(float)
+    for sample in per_sample.values():
+        for service, gib in sample.items():
+            per_service[service] = max(per_service[service], gib)
+    return dict(per_service), max((sum(s.values()) for s in per_sample.values()), default=0.0)
 
 
 def declared(cluster: Path) -> dict[str, float]:

@@ -29,7 +29,7 @@ run_cluster() {  # CLUSTER SPEC NAME: up, submit --watch, status, down; OUT/NAME
   nvidia-smi --query-compute-apps=timestamp,pid,process_name,used_memory --format=csv -lms 500 > "$out/$name-gpu.csv" &
   local sampler=$!
   # What each GPU process is (nvidia-smi names some "[No data]": the learner's workers), for cluster_memory.py.
-  while sleep 2; do ps -eo pid=,args= | grep ' ray::' ; done > "$out/$name-ps.txt" 2>/dev/null &
+  while sleep 2; do ps -eo pid=,args= | grep -E ' (ray|VLLM)::' ; done > "$out/$name-ps.txt" 2>/dev/null &
   local ps_sampler=$!
   {
     deploy/serve up "$cluster"

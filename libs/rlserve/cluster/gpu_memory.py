@@ -13,6 +13,9 @@ the fractions they ask for (`num_gpus`):
 A layout whose worst GPU needs more than the card holds is refused, naming the services on it. The card's
 memory is the cluster file's `gpu_card_gib`, or else read from this machine's smallest GPU
 (`torch.cuda.get_device_properties`, in a child process, so that `deploy/serve` holds no CUDA context).
+
+A rollout that may run vLLM (`engine: vllm`, or `auto`, which picks it where it runs) takes its
+`gpu_memory_utilization` of the card whatever it declares: the check counts the larger of the two.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import itertools
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlserve.cluster.config import ClusterFile
 
@@ -107,6 +110,7 @@ def check(cfg: ClusterFile, card: Card | None = None) -> list[str]:
     if card is None:
         return ["no GPU on this machine to read the card's memory from, and no gpu_card_gib in the cluster file: "
                 "the services' gpu_memory_gib are not checked"]
+    needs = [_with_vllm_share(cfg, n, card) for n in needs]
     gib, services = worst_gpu(needs)
     parts = " + ".join(f"{s} {_need_of(needs, s):g}" for s in services)
     if gib > card.gib:
@@ -119,6 +123,20 @@ def check(cfg: ClusterFile, card: Card | None = None) -> list[str]:
     if undeclared:
         lines.append(f"GPU memory not declared for {', '.join(undeclared)}: not in the plan")
     return lines
+
+
+def _with_vllm_share(cfg: ClusterFile, need: Need, card: Card) -> Need:
+    """The rollout's need, at least the share of the card vLLM takes where it may run vLLM."""
+    args = cfg.services.rollout.args
+    # Without `engine`, the rollout runs vLLM (RolloutArgs.engine, services/rollout/app.py).
+    if need.service != "rollout" or args.get("engine", "vllm") not in ("vllm", "auto"):
+        return need
+    share = args.get("gpu_memory_utilization")
+    if share is None:  # the engine's default (a torch import, only for such a file)
+        from rlserve.rollout.interfaces import EngineSettings
+
+        share = EngineSettings.model_fields["gpu_memory_utilization"].default
+    return replace(need, gib=max(need.gib, round(share * card.gib, 1)))
 
 
 def _need_of(needs: list[Need], service: str) -> float:

@@ -24,7 +24,7 @@ def _cluster(tmp_path, services: dict, **top):
 
 
 def test_services_that_may_share_one_gpu_must_fit_its_memory_and_are_named_when_they_do_not(tmp_path):
-    cfg, _ = _cluster(tmp_path, {"rollout": {"num_gpus": 0.3, "gpu_memory_gib": 40},
+    cfg, _ = _cluster(tmp_path, {"rollout": {"num_gpus": 0.3, "gpu_memory_gib": 40, "args": {"engine": "transformers"}},
                                  "reference": {"num_gpus": 0.1, "gpu_memory_gib": 13},
                                  "learner": {"gpu_memory_gib": 45}})
     with pytest.raises(GpuLayoutError) as err:
@@ -109,3 +109,19 @@ def test_the_allocator_settings_reach_the_services_that_use_a_gpu_and_theirs_win
     assert CUDA_ALLOC_CONF_ENV not in env["reward"] and CUDA_ALLOC_CONF_ENV not in env["coordinator"]
     cfg, runs_dir = _cluster(tmp_path, {"reference": {"num_gpus": 0.1}}, cuda_alloc_conf="")
     assert CUDA_ALLOC_CONF_ENV not in app_args(cfg, "reference", runs_dir)["deployment"]["env_vars"]
+
+
+def test_a_rollout_that_may_run_vllm_counts_the_share_of_the_card_vllm_takes(tmp_path):
+    services = {"rollout": {"num_gpus": 0.3, "gpu_memory_gib": 20,
+                            "args": {"engine": "auto", "gpu_memory_utilization": 0.27}},
+                "learner": {"gpu_memory_gib": 42}}
+    cfg, _ = _cluster(tmp_path, services)
+    assert gpu_memory.check(cfg, H100)[0].startswith("GPU memory plan: rollout 21.4 + learner 42 = 63.4 of 79.2")
+    assert gpu_memory.check(cfg, Card(139.8, "H200"))[0].startswith("GPU memory plan: rollout 37.7 + learner 42")
+    services["rollout"]["args"] = {"engine": "vllm"}  # vLLM's default share: half the card
+    cfg, _ = _cluster(tmp_path, services)
+    with pytest.raises(GpuLayoutError, match=r"rollout 39.6 \+ learner 42 = 81.6 GiB"):
+        gpu_memory.check(cfg, H100)
+    services["rollout"]["args"] = {"engine": "transformers"}
+    cfg, _ = _cluster(tmp_path, services)
+    assert gpu_memory.check(cfg, H100)[0].startswith("GPU memory plan: rollout 20 + learner 42")
