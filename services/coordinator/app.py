@@ -91,6 +91,9 @@ class CoordinatorArgs(BaseModel):
     def _old_tenancy_keys(cls, data: Any) -> Any:
         return migrate_args(data, COORDINATOR_ARGS)
 
+    # With every run finished, the feed sleeps until a run is submitted, resumed or opened, looking again
+    # after this long at most (an idle coordinator does not wake every `run_feed_interval_s`).
+    run_feed_idle_s: float = Field(5.0, gt=0, le=60)
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
 # (rlserve.tenancy.callers); this bounds them all together. Streams (WatchRun, the gateway's run feed)
@@ -138,7 +141,8 @@ class Coordinator:
 
     async def run_feed(self):
         """The gateway's run table and its runs' events (`rlserve.runs.feed`): not an RPC, called by handle."""
-        async for batch in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s, RUN_FEED_MAX_S):
+        async for batch in run_feed(lambda: self.manager.runs, self.args.run_feed_interval_s, RUN_FEED_MAX_S,
+                                    self.manager.arrivals, self.args.run_feed_idle_s):
             yield batch
 
     @grpc_method

@@ -47,8 +47,11 @@ from rlserve.weights.specs import TensorSpec, check_update, checkpoint_specs
 from rlserve.weights.store import Publication, fetch_tensors
 
 log = logging.getLogger("rlserve.rollout")
-# How long one long poll of the mailbox waits (a member polls again at once; see fleet.MEMBER_LEASE_S).
-POLL_S = 5.0
+# How long one long poll of the mailbox waits (a member polls again at once; see fleet.MEMBER_LEASE_S). A command
+# arrives the moment it is sent whatever this is: it only sets how often an idle replica calls the fleet.
+POLL_S = 60.0
+# How often an open direct round is checked for a sender gone quiet (`_expire_rounds`).
+EXPIRY_CHECK_S = 5.0
 # Where adapters are written for the engine to read (memory-backed where there is one).
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 TOKEN_BYTES = 256 * 1024
@@ -212,7 +215,7 @@ class WeightFollower:
         """A direct round whose sender sent no step for the time-out is aborted (its buffers freed, the engine's
         update lock released). Checked on a clock of its own: nothing the mailbox brings can hold it up."""
         while True:
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(EXPIRY_CHECK_S)
             quiet_s = time.monotonic() - self._last_step
             if self._direct and not self._in_step and quiet_s > self.transfer_timeout_s:
                 event(log, "rollout.weight_transfer_expired", logging.WARNING, replica=self.replica_id,

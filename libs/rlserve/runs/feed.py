@@ -7,10 +7,14 @@ so the coordinator sends each change once and the gateway answers reads from
 its copy.
 
 The first batch of a feed is every run; later batches hold the runs whose
-record changed, checked every `interval_s`. Unfinished runs are checked each
-time; finished ones when their `updated` time moved (a resume), and all of
-them every `FULL_CHECK_EVERY` batches, so a field set without a new event
-still reaches the gateway. A feed ends after `max_s` and the gateway opens the
+record changed, checked every `interval_s` while a run is unfinished. Unfinished
+runs are checked each time; finished ones when their `updated` time moved (a
+resume), and all of them every `FULL_CHECK_EVERY` batches, so a field set
+without a new event still reaches the gateway. With every run finished nothing
+changes until a run arrives (submitted, resumed or opened: `Arrivals`), so an
+idle feed sleeps until one does, or `idle_s` passes and it checks everything
+once: an idle coordinator does not wake ten times a second for nothing.
+A feed ends after `max_s` and the gateway opens the
 next one at once, whose first batch is everything again: the copy is rebuilt
 from the coordinator's runs at least that often, and no stream is held for good
 (as a WatchRun stream ends after `watch_max_s`).
@@ -24,6 +28,7 @@ step then holds nothing at the coordinator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +49,26 @@ class FeedBatch:
     events: list[bytes] = field(default_factory=list)  # serialized `rlserve.v1.RunEvent`s, in order for each run
 
 
+class Arrivals:
+    """The runs a manager took in (submitted, resumed, opened), counted, so that an idle feed sleeps until the next."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._next = asyncio.Event()
+
+    def note(self) -> None:
+        self.count += 1
+        self._next.set()
+        self._next = asyncio.Event()
+
+    async def wait(self, after: int, timeout_s: float) -> None:
+        """Until a run arrives after the `after`th, or `timeout_s` passes."""
+        if self.count > after:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._next.wait(), timeout_s)
+
+
 def _new_events(run: Run, sent: dict[str, int]) -> list[bytes]:
     """The events of `run` the feed has not sent: for a run it did not follow yet, its last `EVENTS_TAIL`.
     A run is followed while unfinished, and until its last event (its end) is sent; a finished run is not
@@ -59,19 +84,26 @@ def _new_events(run: Run, sent: dict[str, int]) -> list[bytes]:
     return [ev.SerializeToString() for ev in events[start:]]
 
 
-async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float, max_s: float
-                   ) -> AsyncIterator[FeedBatch]:
-    """All runs first, then those that changed, with the new events of unfinished runs, for `max_s`."""
+async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float, max_s: float,
+                   arrivals: Arrivals | None = None, idle_s: float | None = None) -> AsyncIterator[FeedBatch]:
+    """All runs first, then those that changed, with the new events of unfinished runs, for `max_s`. With
+    `arrivals`, a feed whose runs are all finished waits for the next arrival, at most `idle_s`; without, it
+    looks every `interval_s` whatever the runs do."""
+    if arrivals is not None and not (idle_s and idle_s > 0):
+        raise ValueError(f"a feed that waits for arrivals needs idle_s > 0, got {idle_s}")
     sent: dict[str, bytes] = {}
     checked_at: dict[str, float] = {}  # run id -> its `updated` when last checked
     events_sent: dict[str, int] = {}  # run id -> how many of its events were sent
     tick = 0
+    full = True  # this tick checks every run
     deadline = time.monotonic() + max_s
     while tick == 0 or time.monotonic() < deadline:
         batch = FeedBatch()
-        for run_id, run in runs().items():
+        seen = arrivals.count if arrivals is not None else 0
+        current = runs()
+        for run_id, run in current.items():
             batch.events.extend(_new_events(run, events_sent))
-            if (tick % FULL_CHECK_EVERY and run.state in TERMINAL and checked_at.get(run_id) == run.updated):
+            if not full and run.state in TERMINAL and checked_at.get(run_id) == run.updated:
                 continue
             checked_at[run_id] = run.updated
             try:
@@ -85,4 +117,9 @@ async def run_feed(runs: Callable[[], dict[str, Run]], interval_s: float, max_s:
         if batch.runs or batch.events or tick == 0:
             yield batch
         tick += 1
-        await asyncio.sleep(interval_s)
+        full = tick % FULL_CHECK_EVERY == 0
+        if arrivals is not None and all(run.state in TERMINAL for run in current.values()):
+            await arrivals.wait(seen, min(idle_s, max(0.0, deadline - time.monotonic())))
+            full = True
+        else:
+            await asyncio.sleep(interval_s)

@@ -55,6 +55,7 @@ from rlserve.catalog import ALGORITHMS
 from rlserve.config import RunSpec, SpecError, spec_to_yaml
 from rlserve.logs import event
 from rlserve.rpc import RpcError, already_exists, clean, failed_precondition, invalid_argument, not_found
+from rlserve.runs.feed import Arrivals
 from rlserve.runs.record import LEGACY_OWNER, STATE_NAMES, TERMINAL, Run, RunPaused
 from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import RunAccess
@@ -141,6 +142,8 @@ class RunManager:
         self.queue: list[str] = []
         self.closing = False
         self.specs = specs or SpecReader()
+        # Runs taken in, for the gateway's run feed (`rlserve.runs.feed`), which sleeps while every run is finished.
+        self.arrivals = Arrivals()
         runs_dir.mkdir(parents=True, exist_ok=True)
         self._load_earlier_runs()
 
@@ -283,6 +286,7 @@ class RunManager:
         self._slots[run_id] = slot
         self.queue.append(run_id)
         run.set_state(pb.RUN_STATE_QUEUED)
+        self.arrivals.note()
         run.emit(pb.EVENT_KIND_INFO, f"{'resumed' if resume else 'submitted'} by {caller.name}")
         event(log, "run.submitted", run=run_id, owner=run.owner, caller=caller.name, resume=resume)
         slot.preflight = asyncio.get_running_loop().create_task(self._preflight(slot))
@@ -392,6 +396,8 @@ class RunManager:
     def _schedule(self) -> None:
         """Start queued runs in order while they may run beside the active ones; each waits until its
         preflight passed."""
+        if self.queue:  # a run opened by its user (`open_run`) arrives here
+            self.arrivals.note()
         while self.queue and not self.closing:
             head = self._slots[self.queue[0]]
             if not head.preflight_passed or not self._may_start(head):

@@ -24,7 +24,7 @@ import ray
 
 from rlserve.weights.store import named_on_head
 
-# A member that has not polled for this long (and holds no command) is gone.
+# A member that has not polled for this long (and is neither in a poll nor holding a command) is gone.
 MEMBER_LEASE_S = 15.0
 # The kind of an announcement; the other kinds are weight-transfer steps.
 PUBLISHED = "published"
@@ -54,10 +54,11 @@ class _Mailbox:
         self.queue: asyncio.Queue[Command] = asyncio.Queue()
         self.replies: dict[int, asyncio.Future] = {}
         self.last_seen = time.monotonic()
+        self.polls = 0  # long polls waiting now (a member waits in one for as long as it asked)
 
     async def alive(self) -> bool:
-        """Polled recently (or busy with a command) and its process still owns its token."""
-        if not self.replies and time.monotonic() - self.last_seen > MEMBER_LEASE_S:
+        """Polling now or recently (or busy with a command), and its process still owns its token."""
+        if not self.replies and not self.polls and time.monotonic() - self.last_seen > MEMBER_LEASE_S:
             return False
         for ref in self.member.token:
             try:
@@ -103,11 +104,13 @@ class Fleet:
         """A member's long poll: its next command, or None after `wait_s`. KeyError: not a member (re-join)."""
         box = self._boxes[member_id]
         box.last_seen = time.monotonic()
+        box.polls += 1
         try:
             return await asyncio.wait_for(box.queue.get(), wait_s)
         except asyncio.TimeoutError:
             return None
         finally:
+            box.polls -= 1
             box.last_seen = time.monotonic()
 
     async def reply(self, member_id: str, seq: int, error: str | None) -> None:
