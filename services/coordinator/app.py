@@ -85,15 +85,15 @@ class CoordinatorArgs(BaseModel):
     deprecated_keys: dict[str, str] = {}
     # How often the gateway's copy of the runs is brought up to date (a run's own progress shows within it).
     run_feed_interval_s: float = Field(0.1, gt=0, le=10)
+    # With every run finished, the feed sleeps until a run is submitted, resumed or opened, looking again
+    # after this long at most (an idle coordinator does not wake every `run_feed_interval_s`).
+    run_feed_idle_s: float = Field(5.0, gt=0, le=60)
 
     @model_validator(mode="before")
     @classmethod
     def _old_tenancy_keys(cls, data: Any) -> Any:
         return migrate_args(data, COORDINATOR_ARGS)
 
-    # With every run finished, the feed sleeps until a run is submitted, resumed or opened, looking again
-    # after this long at most (an idle coordinator does not wake every `run_feed_interval_s`).
-    run_feed_idle_s: float = Field(5.0, gt=0, le=60)
 
 # Idle WatchRun streams are awaiting coroutines: the gateway bounds each caller's share
 # (rlserve.tenancy.callers); this bounds them all together. Streams (WatchRun, the gateway's run feed)
