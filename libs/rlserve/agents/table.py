@@ -20,6 +20,7 @@ class Session(Protocol):
 class AgentSessions:
     def __init__(self):
         self._sessions: dict[str, Session] = {}
+        self._opened = asyncio.Event()  # set (and replaced) whenever a session is put: `wait` sleeps until then
 
     def get(self, run_id: str) -> Session | None:
         return self._sessions.get(run_id)
@@ -33,6 +34,8 @@ class AgentSessions:
         if old is not None and old is not session:
             old.close()
         self._sessions[run_id] = session
+        self._opened.set()
+        self._opened = asyncio.Event()
 
     def close(self, run_id: str) -> None:
         session = self._sessions.pop(run_id, None)
@@ -43,5 +46,8 @@ class AgentSessions:
         """The run's session, waiting up to `wait_s` for its attempt to open one."""
         deadline = time.monotonic() + wait_s
         while (session := self._sessions.get(run_id)) is None and time.monotonic() < deadline:
-            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            try:
+                await asyncio.wait_for(self._opened.wait(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
         return session
