@@ -1,12 +1,15 @@
-"""transformers as a rollout engine: plain `generate` with a KV cache.
+"""transformers as a rollout engine: `generate` with a KV cache, or a faster path of transformers' own.
 
 It serves where vLLM is absent (the GPU test machine) and is the reference
 that vLLM's numbers are compared with. Same contract as the vLLM engine.
+`EngineSettings.generation` picks the path: `generate`, continuous batching
+or a static compiled cache (`rlserve.rollout.hf_generation`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import replace
@@ -20,6 +23,7 @@ from rlserve.dtypes import torch_dtype
 from rlserve.models import generation, moe_routing
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint, to_checkpoint
+from rlserve.rollout import hf_generation
 from rlserve.rollout.interfaces import (
     BatchEngine,
     EngineConfig,
@@ -30,6 +34,8 @@ from rlserve.rollout.interfaces import (
 )
 from rlserve.weights import adapter, handoff
 from rlserve.weights.digest import weight_digests
+
+log = logging.getLogger("rlserve.rollout")
 
 
 class TransformersEngine(BatchEngine):
@@ -60,6 +66,10 @@ class TransformersEngine(BatchEngine):
         self._base: Path | None = Path(cfg.model_path).resolve()
         # Runs' adapters on the deployed base (`RunAdapter`): adapter id -> peft adapter name.
         self._run_adapters: dict[int, str] = {}
+        self.generation = hf_generation.resolve(cfg.generation, self.device)
+        self._continuous = (hf_generation.ContinuousBatching(cfg.max_num_seqs, cfg.max_model_len)
+                            if self.generation == "continuous" else None)
+        self._fallbacks_told: set[str] = set()
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
@@ -67,13 +77,40 @@ class TransformersEngine(BatchEngine):
         self._activate(self._run_adapter(adapter) if adapter else "default" if self._served_adapter else None)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
-        rows = [ids for ids in prompts for _ in range(n)]
+        stop_ids = {*self.eos_ids, *sampling.stop_token_ids}
+        path = self._path(sampling)
+        if path == "continuous":
+            samples = [self._cut(ids, lps, stop_ids, ()) for ids, lps in
+                       self._continuous.generate(self.model, prompts, n, sampling, stop_ids)]
+        else:
+            samples = self._padded([ids for ids in prompts for _ in range(n)], sampling, stop_ids, path == "static")
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _path(self, sampling: SamplingSpec) -> str:
+        """The generation path for this request: the engine's, or generate where it cannot serve it (said once)."""
+        if self.generation == "generate":
+            return "generate"
+        from peft.tuners.lora import LoraLayer
+
+        lora = any(isinstance(m, LoraLayer) for m in self.model.modules())
+        why = hf_generation.unsupported(self.generation, sampling, lora)
+        if not why:
+            return self.generation
+        if why not in self._fallbacks_told:
+            self._fallbacks_told.add(why)
+            log.info("rollout: generation %s: %s, so generate serves such requests", self.generation, why)
+        return "generate"
+
+    def _padded(self, rows: list[list[int]], sampling: SamplingSpec, stop_ids: set[int], static: bool
+                ) -> list[GeneratedSample]:
+        """`generate` over the rows left-padded into one batch (with `static`, a static KV cache)."""
         input_ids, attention = generation.left_padded(rows, self.pad_id)
+        if static:
+            input_ids, attention = hf_generation.static_padded(input_ids, attention, self.pad_id)
         width = input_ids.shape[1]
         greedy = sampling.temperature == 0
-        stop_ids = {*self.eos_ids, *sampling.stop_token_ids}
         with moe_routing.capture(self.model) if sampling.routed_experts else contextlib.nullcontext() as calls:
-            out = self._generate(input_ids, attention, greedy, sampling, stop_ids)
+            out = self._generate(input_ids, attention, greedy, sampling, stop_ids, static)
         new_ids = out.sequences[:, width:]
         # Raw (temperature-1) logits of each step, as vLLM reports its logprobs, gathered one step at a
         # time: stacking every step's [rows, vocab] and taking log_softmax of the stack made two more
@@ -90,10 +127,10 @@ class TransformersEngine(BatchEngine):
             samples = [replace(s, routed_experts=moe_routing.sample_routes(
                 calls, i, width - len(rows[i]), len(rows[i]), len(rows), len(s.token_ids)))
                 for i, s in enumerate(samples)]
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return samples
 
     def _generate(self, input_ids: torch.Tensor, attention: torch.Tensor, greedy: bool, sampling: SamplingSpec,
-                  stop_ids: set[int]):
+                  stop_ids: set[int], static: bool):
         return self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
@@ -109,6 +146,7 @@ class TransformersEngine(BatchEngine):
             tokenizer=self.tokenizer if sampling.stop_strings else None,
             output_logits=True,
             return_dict_in_generate=True,
+            cache_implementation="static" if static else None,
         )
 
     @torch.inference_mode()
@@ -227,6 +265,8 @@ class TransformersEngine(BatchEngine):
 
     def _load_base(self, base: Path) -> None:
         """The model in `base` (the deployed one, or a run's starting point), without adapters."""
+        if self._continuous is not None:
+            self._continuous.close()  # it holds the model being replaced
         self.model = load_causal_lm(base, torch_dtype(self.cfg.dtype)).to(self.device).eval()
         self._served_adapter, self._base, self._run_adapters = None, base.resolve(), {}
 

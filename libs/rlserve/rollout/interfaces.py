@@ -70,6 +70,12 @@ class EngineSettings(BaseModel):
     # replica may run on (Ray's own default is the replica's `num_cpus`, rounded down to at least 1,
     # which left a demo step's generation on one of two idle cores: 0.29 s against 0.22 s on both).
     torch_threads: int = Field(0, ge=0, le=1024)
+    # How the transformers engine generates (`rlserve.rollout.hf_generation`): "generate" (transformers
+    # `generate`, a dynamic KV cache), "continuous" (continuous batching: a paged KV cache sized for
+    # max_num_seqs sequences of max_model_len tokens), "static" (a static KV cache, the decode step compiled on
+    # a GPU), "auto" (continuous on CUDA, generate on the CPU). LoRA adapters, MoE routing capture and what
+    # a fast path cannot sample fall back to generate, with a log line. vLLM ignores it.
+    generation: Literal["auto", "generate", "continuous", "static"] = "auto"
     # LoRA runs: the deployed model is the base and each run's adapter is served on it (vLLM's
     # enable_lora, max_loras adapters at once, of rank at most max_lora_rank).
     enable_lora: bool = False
