@@ -7,7 +7,8 @@ admin). Runs are admitted by `rlserve.loop.admission` and executed by
 `rlserve.loop.recovery.run_to_end`, which reaches the other applications
 through `handles.ServeServices`. It also serves `rlserve.v1.Agents` for its
 external_agent runs (`rlserve.agents.hub`: the runs' sessions meet the RPCs in
-one `AgentSessions` table).
+one `AgentSessions` table), and the Tinker API's operations for the gateway
+(`tinker`: `rlserve.tinker`, each model a run of this manager).
 """
 
 from __future__ import annotations
@@ -40,10 +41,15 @@ from rlserve.security.principal import SYSTEM, Principal
 from rlserve.tenancy.legacy import COORDINATOR_ARGS, log_deprecated, migrate_args
 from rlserve.tenancy.live import LiveTenancy
 from rlserve.tenancy.policy import TenancyPolicy
+from rlserve.tinker.api import Reply
+from rlserve.tinker.backends import ServiceSampler, ServiceTrainer
+from rlserve.tinker.calls import TinkerCalls
+from rlserve.tinker.runs import ManagerRuns
+from rlserve.tinker.service import TinkerConfig, TinkerService
 from rlserve.v1 import agents_pb2
 from rlserve.v1 import coordinator_pb2 as pb
 from rlserve.weights.store import DEFAULT_STORE_NAME
-from services.coordinator.handles import ServeServices
+from services.coordinator.handles import ServeServices, TinkerHandles
 
 # A run feed ends after this long and the gateway opens the next (`rlserve.runs.feed`).
 RUN_FEED_MAX_S = 60.0
@@ -88,6 +94,8 @@ class CoordinatorArgs(BaseModel):
     # With every run finished, the feed sleeps until a run is submitted, resumed or opened, looking again
     # after this long at most (an idle coordinator does not wake every `run_feed_interval_s`).
     run_feed_idle_s: float = Field(5.0, gt=0, le=60)
+    # The Tinker API's models (the gateway's /api/v1): bases, limits (rlserve.tinker.service.TinkerConfig).
+    tinker: TinkerConfig = TinkerConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -116,6 +124,11 @@ class Coordinator:
                                   SpecReader(tenancy.policy.callers), self.args.cancel_grace_s)
         self.agent_sessions = AgentSessions()
         self.agents = AgentHub(self.agent_sessions, self.manager.get)
+        handles = TinkerHandles(self.args.apps)
+        sampler = ServiceSampler(handles)
+        self.tinker_calls = TinkerCalls(TinkerService(self.args.tinker, self.args.paths.policy().runs_dir,
+                                                      ServiceTrainer(handles), sampler, ManagerRuns(self.manager),
+                                                      sampler.deployment))
 
     def _services(self, reward_endpoint: str | None, policy: RetryPolicy, env_endpoint: str | None = None
                   ) -> RunServices:
@@ -169,6 +182,11 @@ class Coordinator:
         run = self.manager.get(request.run_id, caller)
         async for ev in run.watch(request.from_sequence, self.args.watch_max_s):
             yield pb.WatchRunResponse(event=ev)
+
+    async def tinker(self, caller: Principal, op: str, *args: Any) -> Reply:
+        """An operation of the Tinker API (`rlserve.tinker.calls`) for the gateway's /api/v1: not an RPC, called by
+        handle; its models are runs of this manager."""
+        return await self.tinker_calls.call(caller, op, *args)
 
     # --- rlserve.v1.Agents ------------------------------------------------------------------------
 

@@ -19,11 +19,13 @@ import grpc
 import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle
 
 from rlserve.agents.table import AgentSessions
 from rlserve.config import RunSpec
 from rlserve.loop.retry import Retrying, RetryPolicy
 from rlserve.loop.services import Capacity, RunServices, ServiceFailure
+from rlserve.rpc import status_of
 from rlserve.training.batch import TrainBatch
 from rlserve.v1 import (
     environment_pb2,
@@ -131,3 +133,45 @@ class ServeServices(RunServices):
         total = ray.cluster_resources()
         nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
         return Capacity(total.get("CPU", 0.0), total.get("GPU", 0.0), max(nodes, default=0.0))
+
+
+class TinkerHandles:
+    """The learner's and the rollout's RPCs the Tinker API calls (`rlserve.tinker.backends.LearnerCalls` and
+    `RolloutCalls`), each once, without `Retrying`: a forward_backward retried after it ran would add its
+    gradients twice (the SDK retries what may be retried). A failure raises the service's `RpcError`."""
+
+    def __init__(self, apps: dict[str, str]):
+        self.apps = apps
+        self._handles: dict[str, DeploymentHandle] = {}
+
+    async def _call(self, app: str, method: str, *args):
+        if app not in self._handles:
+            self._handles[app] = serve.get_app_handle(self.apps[app])
+        try:
+            return await getattr(self._handles[app], method).remote(*args)
+        except Exception as err:  # noqa: BLE001 - whatever the handle raised, as the status it means
+            raise status_of(err) from None
+
+    async def configure(self, req: learner_pb2.ConfigureRequest, spec: RunSpec) -> learner_pb2.ConfigureResponse:
+        return await self._call("learner", "Configure", req, spec)
+
+    async def forward(self, req: learner_pb2.ForwardRequest) -> learner_pb2.ForwardResponse:
+        return await self._call("learner", "Forward", req)
+
+    async def optim_step(self, req: learner_pb2.OptimStepRequest) -> learner_pb2.OptimStepResponse:
+        return await self._call("learner", "OptimStep", req)
+
+    async def save_checkpoint(self, req: learner_pb2.SaveCheckpointRequest) -> learner_pb2.SaveCheckpointResponse:
+        return await self._call("learner", "SaveCheckpoint", req)
+
+    async def load_checkpoint(self, req: learner_pb2.LoadCheckpointRequest) -> learner_pb2.LoadCheckpointResponse:
+        return await self._call("learner", "LoadCheckpoint", req)
+
+    async def release_learner(self, run_id: str) -> None:
+        await self._call("learner", "ReleaseSession", learner_pb2.ReleaseSessionRequest(run_id=run_id))
+
+    async def generate(self, req: rollout_pb2.GenerateRequest) -> rollout_pb2.GenerateResponse:
+        return await self._call("rollout", "Generate", req)
+
+    async def rollout_info(self) -> rollout_pb2.GetInfoResponse:
+        return await self._call("rollout", "GetInfo", rollout_pb2.GetInfoRequest())

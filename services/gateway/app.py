@@ -6,7 +6,8 @@ forwards each call to the service's Serve deployment through a handle, the
 same path the coordinator uses inside the cluster; a run-facing call carries
 the caller's principal as an argument after the request. Beside it, on `host:http_port`, the HTTP
 listener (`rlserve.gateway.http`) serves the public APIs other ecosystems speak, each under its prefix
-(`_http_apis`: the OpenAI-compatible endpoint `rlserve.agents.openai_api` under /v1), with the same
+(`_http_apis`: the OpenAI-compatible endpoint `rlserve.agents.openai_api` under /v1, the Tinker API
+`rlserve.tinker.api` under /api/v1 over the coordinator's `tinker` operations), with the same
 tokens, per-caller limits and TLS, over the same handles. Serve's own proxies are off, so these are
 the only ways in from outside.
 """
@@ -37,6 +38,7 @@ from rlserve.security.identity import TokenStore
 from rlserve.security.principal import Principal, Role
 from rlserve.tenancy.legacy import GATEWAY_ARGS, log_deprecated, migrate_args
 from rlserve.tenancy.policy import TenancyPolicy
+from rlserve.tinker.api import Reply, TinkerApi
 from rlserve.v1 import agents_pb2
 from rlserve.v1 import coordinator_pb2 as pb
 
@@ -123,7 +125,8 @@ class Gateway:
 
     def _http_apis(self) -> list[HttpApi]:
         """The APIs of the HTTP listener, each under its own prefix."""
-        return [OpenAiApi(ServeAgents(self._forward, self.args.apps))]
+        return [OpenAiApi(ServeAgents(self._forward, self.args.apps)),
+                TinkerApi(ServeTinker(self._handle, self.args.apps.get("coordinator", "coordinator")))]
 
     def _handle(self, app: str) -> DeploymentHandle:
         if app not in self.handles:
@@ -216,6 +219,22 @@ class ServeAgents:
     async def end_episode(self, req: agents_pb2.EndEpisodeRequest, caller: Principal
                           ) -> agents_pb2.EndEpisodeResponse:
         return await self._call("EndEpisode", req, caller)
+
+
+class ServeTinker:
+    """The Tinker API's backend (`rlserve.tinker.calls.TinkerBackend`): its operations on the coordinator, which
+    holds the sessions and runs the models; a coordinator that cannot be reached answers 503."""
+
+    def __init__(self, handle, app: str):
+        self.handle, self.app = handle, app
+
+    async def call(self, caller: Principal, op: str, *args: Any) -> Reply:
+        try:
+            return await self.handle(self.app).tinker.remote(caller, op, *args)
+        except Exception as err:  # noqa: BLE001 - whatever the handle raised, as the status it means
+            status = status_of(err)
+            return Reply(503 if status.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else 500,
+                         {"detail": f"the coordinator: {status.message}"})
 
 
 def build(args: dict) -> serve.Application:

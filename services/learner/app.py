@@ -19,6 +19,7 @@ from rlserve import cpu_affinity
 from rlserve.algorithms.registry import LOSSES, make_loss
 from rlserve.cluster.deployment import build_app
 from rlserve.config import RunSpec, SpecError, load_spec
+from rlserve.learner import primitives_proto
 from rlserve.learner.checkpoint import is_checkpoint
 from rlserve.learner.ray_group import RayWorkerGroup
 from rlserve.learner.sessions import SessionTable
@@ -158,6 +159,26 @@ class Learner:
             raise invalid_argument("path", f"{request.path[:200]} is not a learner checkpoint")
         version = await self.sessions.load_checkpoint(request.run_id, path)
         return learner_pb2.LoadCheckpointResponse(weight_version=version)
+
+    @grpc_method
+    async def Forward(self, request: learner_pb2.ForwardRequest) -> learner_pb2.ForwardResponse:
+        """`forward`, or with `backward` `forward_backward` (gradients kept until OptimStep), of the run's datums."""
+        try:
+            batch = primitives_proto.batch_from_proto(request)
+        except ValueError as err:
+            field, _, problem = str(err).partition(": ")
+            raise invalid_argument(field, problem) from None
+        result = await self.sessions.forward_primitive(request.run_id, batch, request.backward)
+        return primitives_proto.forward_response(result)
+
+    @grpc_method
+    async def OptimStep(self, request: learner_pb2.OptimStepRequest) -> learner_pb2.OptimStepResponse:
+        try:
+            step = primitives_proto.adam_from_proto(request)
+        except ValueError as err:
+            field, _, problem = str(err).partition(": ")
+            raise invalid_argument(field, problem) from None
+        return primitives_proto.optim_response(await self.sessions.optim_step(request.run_id, step))
 
     @grpc_method
     async def ReleaseSession(self, request: learner_pb2.ReleaseSessionRequest) -> learner_pb2.ReleaseSessionResponse:

@@ -39,6 +39,8 @@ from rlserve.weights.specs import checkpoint_specs, fingerprint
 from rlserve.weights.store import DEFAULT_STORE_NAME, get_store
 
 log = logging.getLogger("rlserve.rollout")
+# Most likely tokens a request may ask for per position (prompt or sampled).
+MAX_TOP_LOGPROBS = 20
 
 
 class RolloutArgs(EngineSettings):
@@ -69,6 +71,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
         raise invalid_argument("sampling.max_new_tokens", f"must be > 0, got {p.max_new_tokens}")
     if not 0 <= p.min_new_tokens <= p.max_new_tokens:
         raise invalid_argument("sampling.min_new_tokens", f"must be in [0, max_new_tokens], got {p.min_new_tokens}")
+    if p.HasField("prompt_logprobs") and not 0 <= p.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_argument("sampling.prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.prompt_logprobs}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid_argument("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs}")
     return SamplingSpec(
         temperature=p.temperature,
         top_p=p.top_p if p.top_p > 0 else 1.0,
@@ -78,6 +84,8 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingSpec:
         stop_strings=tuple(p.stop_strings),
         stop_token_ids=tuple(p.stop_token_ids),
         seed=p.seed if p.HasField("seed") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        top_logprobs=p.top_logprobs,
     )
 
 
@@ -149,6 +157,8 @@ class Rollout:
             raise invalid_argument("priority", f"must be in (0, {MAX_PRIORITY:g}] (0: 1), got {request.priority}")
         prompts = self._prompts(request, sampling.max_new_tokens)
         n = request.num_samples or 1
+        if request.adapter_path or request.deployed_base:
+            return await self._generate_on_deployed_base(request, prompts, n, sampling)
         if request.shared_base:
             return await self._generate_with_run_adapter(request, prompts, n, sampling)
         await self.weights.sync(request.min_weight_version)
@@ -172,6 +182,22 @@ class Rollout:
         if not request.run_id:
             raise invalid_argument("run_id", "required with shared_base")
         ref = await self.adapters.acquire(request.run_id, request.min_weight_version)
+        try:
+            return await self._generate(request, prompts, n, sampling, ref)
+        finally:
+            await self.adapters.release(ref)
+
+    async def _generate_on_deployed_base(self, request: rollout_pb2.GenerateRequest, prompts: list[list[int]],
+                                         n: int, sampling: SamplingSpec) -> rollout_pb2.GenerateResponse:
+        """On the deployed base, with the adapter saved in `adapter_path` (beside other adapters) or none."""
+        if request.shared_base or (request.adapter_path and request.deployed_base):
+            raise invalid_argument("adapter_path", "one of shared_base, adapter_path and deployed_base")
+        if not request.adapter_path:
+            await self.engine.use_deployed_base()
+            return await self._generate(request, prompts, n, sampling, None)
+        if not self.args.enable_lora:
+            raise failed_precondition("adapter_path: this rollout serves without LoRA (enable_lora in its args)")
+        ref = await self.adapters.acquire_folder(self.paths.run_path("adapter_path", request.adapter_path))
         try:
             return await self._generate(request, prompts, n, sampling, ref)
         finally:

@@ -39,4 +39,4 @@ def test_buf_style():
             values = re.findall(r"(\w+) = (\d+);", body)
             assert values[0] == (f"{prefix}_UNSPECIFIED", "0"), enum
             assert all(v.startswith(prefix + "_") for v, _ in values), enum
-    assert len(seen_requests) == 22
+    assert len(seen_requests) == 24

@@ -12,6 +12,7 @@ join the export's gathers.
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,10 +67,16 @@ class WorkerHost:
         return self._run(run_id).backend.train_step(batch, loss_name, lr)
 
     def forward_primitive(self, run_id: str, batch: DatumBatch, backward: bool) -> PrimitiveResult:
-        return self._run(run_id).backend.forward_primitive(batch, backward)
+        """With `perf/seconds`: this rank's time on the call (what its caller is metered)."""
+        t0 = time.perf_counter()
+        out = self._run(run_id).backend.forward_primitive(batch, backward)
+        return PrimitiveResult(out.logprobs, {**out.metrics, "perf/seconds": time.perf_counter() - t0})
 
     def optim_step(self, run_id: str, step: AdamStep) -> StepResult:
-        return self._run(run_id).backend.optim_step(step)
+        """With `perf/seconds`, as `forward_primitive`."""
+        t0 = time.perf_counter()
+        out = self._run(run_id).backend.optim_step(step)
+        return StepResult(out.version, {**out.metrics, "perf/seconds": time.perf_counter() - t0})
 
     def export(self, run_id: str, store_name: str, direct: bool, in_flight: bool, timeout_s: float,
                shared_base: bool) -> Published | None:

@@ -84,6 +84,38 @@ class RunAdapters:
         held.last_used = time.monotonic()
         return ref
 
+    async def acquire_folder(self, folder: Path) -> RunAdapter:
+        """The PEFT adapter saved in `folder` (a Tinker sampler's weights), held like a run's adapter (the same
+        eviction) under the key `folder:PATH@MTIME`, so a folder saved again is a new adapter. Pair with
+        `release`."""
+        try:
+            stamp = (folder / adapter.WEIGHTS_FILE).stat().st_mtime_ns
+        except OSError:
+            raise invalid_argument("adapter_path", f"{folder} holds no PEFT adapter") from None
+        key = f"folder:{folder}@{stamp}"
+        async with self._loading.setdefault(key, asyncio.Lock()):
+            held = self._held.get(key)
+            if held is not None:
+                ref = held.current
+                held.in_use[ref.adapter_id] = held.in_use.get(ref.adapter_id, 0) + 1
+                held.last_used = time.monotonic()
+                return ref
+            t0 = time.perf_counter()
+            tensors, config = await asyncio.to_thread(adapter.read_adapter, folder)
+            problems = self.check({n: TensorSpec(tuple(t.shape), t.dtype) for n, t in tensors.items()}, config)
+            if problems:
+                raise invalid_argument("adapter_path", f"{folder}: " + "; ".join(problems[:5]))
+            # A copy of its own: the saved folder may be deleted while an engine still reads it.
+            copy = Path(tempfile.mkdtemp(prefix="rlserve-run-adapter-", dir=_SHM))
+            await asyncio.to_thread(adapter.write_adapter, copy, tensors, config)
+            ref = RunAdapter(next(self._ids), key, 0, copy)
+            # In use before the eviction it may cause, which then takes another adapter.
+            self._held[key] = _Held(ref, 0, {ref.adapter_id: 1}, last_used=time.monotonic())
+            await self._evict()
+            event(log, "rollout.adapter_loaded", replica=self.replica_id, folder=str(folder),
+                  adapter_id=ref.adapter_id, seconds=time.perf_counter() - t0)
+            return ref
+
     async def release(self, ref: RunAdapter) -> None:
         held = self._held.get(ref.run_id)
         if held is None:

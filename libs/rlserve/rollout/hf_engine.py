@@ -84,7 +84,14 @@ class TransformersEngine(BatchEngine):
                        self._continuous.generate(self.model, prompts, n, sampling, stop_ids)]
         else:
             samples = self._padded([ids for ids in prompts for _ in range(n)], sampling, stop_ids, path == "static")
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        grouped = [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        if sampling.prompt_logprobs is not None:
+            for i, prompt in enumerate(prompts):
+                picked, top = self.prompt_logprobs(prompt, sampling.prompt_logprobs, adapter)
+                grouped[i] = [replace(s, prompt_logprobs=tuple(picked),
+                                      prompt_top_logprobs=tuple(tuple(row) for row in top) if top else None)
+                              for s in grouped[i]]
+        return grouped
 
     def _path(self, sampling: SamplingSpec) -> str:
         """The generation path for this request: the engine's, or generate where it cannot serve it (said once)."""
@@ -126,6 +133,12 @@ class TransformersEngine(BatchEngine):
         if calls is not None:
             samples = [replace(s, routed_experts=moe_routing.sample_routes(
                 calls, i, width - len(rows[i]), len(rows[i]), len(rows), len(s.token_ids)))
+                for i, s in enumerate(samples)]
+        if sampling.top_logprobs:
+            k = min(sampling.top_logprobs, out.logits[0].shape[-1])
+            tops = [step.float().log_softmax(-1).topk(k, dim=-1) for step in out.logits]
+            samples = [replace(s, top_logprobs=tuple(
+                tuple(zip(tops[t].indices[i].tolist(), tops[t].values[i].tolist())) for t in range(len(s.token_ids))))
                 for i, s in enumerate(samples)]
         return samples
 
@@ -214,6 +227,11 @@ class TransformersEngine(BatchEngine):
                 m._disable_adapters = name is None or name not in m.lora_A
                 if not m._disable_adapters:
                     m._active_adapter = [name]
+
+    def use_deployed_base(self) -> None:
+        deployed = Path(self.cfg.model_path).resolve()
+        if self._base != deployed or self._served_adapter is not None:
+            self._load_base(deployed)
 
     def drop_adapter(self, adapter_id: int) -> None:
         from peft.tuners.lora import LoraLayer

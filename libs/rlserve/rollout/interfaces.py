@@ -103,6 +103,11 @@ class SamplingSpec:
     # Also record the experts a MoE model routed each position to (`GeneratedSample.routed_experts`), for
     # routing replay in the learner; only on an engine that `records_routing`.
     routed_experts: bool = False
+    # Also each prompt token's logprob after the first (`GeneratedSample.prompt_logprobs`) and, when > 0,
+    # this many most likely tokens at each of those positions; None: none.
+    prompt_logprobs: int | None = None
+    # With each sampled token, this many most likely tokens at its position (`GeneratedSample.top_logprobs`).
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,12 @@ class GeneratedSample:
     # With SamplingSpec.routed_experts: int16 [positions, moe_layers, experts_per_token], the experts of
     # every position of prompt + sample but the last (no forward pass routes the last token).
     routed_experts: torch.Tensor | None = None
+    # With SamplingSpec.prompt_logprobs (the same in every sample of a prompt): the logprob of each prompt
+    # token after the first under the weights that sampled, and per position its most likely (token, logprob).
+    prompt_logprobs: tuple[float, ...] | None = None
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    # With SamplingSpec.top_logprobs: per sampled token, the most likely (token, logprob) at its position.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -218,6 +229,11 @@ class RolloutEngine(ABC):
     async def drop_adapter(self, adapter_id: int) -> None:
         """Forget a run's adapter version that no request uses any more (its folder stays the caller's)."""
 
+    async def use_deployed_base(self) -> None:
+        """Generate requests without an adapter on the deployed model's own weights from now on (restored if a
+        run's weights or adapter served), as weight version 0."""
+        raise NotImplementedError(f"the {self.name} engine cannot restore the deployed model")
+
     # vLLM's weight-transfer API, for engines with a `transfer_backend` (the learner drives the calls).
     async def init_weight_transfer(self, init_info: dict) -> None:
         raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only")
@@ -285,6 +301,10 @@ class BatchEngine(ABC):
 
     def drop_adapter(self, adapter_id: int) -> None:
         """As `RolloutEngine.drop_adapter`."""
+
+    def use_deployed_base(self) -> None:
+        """As `RolloutEngine.use_deployed_base`."""
+        raise NotImplementedError(f"the {self.name} engine cannot restore the deployed model")
 
     def weight_digests(self) -> dict[str, str]:
         """As `RolloutEngine.weight_digests`, without the version."""

@@ -20,10 +20,24 @@ def sample_proto(s: GeneratedSample) -> rollout_pb2.Sample:
         layers, k, data = moe_routing.encode(s.routed_experts)
         sample.routed_experts.CopyFrom(rollout_pb2.RoutedExperts(num_layers=layers, experts_per_token=k,
                                                                  expert_ids=data))
+    if s.top_logprobs is not None:
+        sample.top_logprobs.extend(_top(row) for row in s.top_logprobs)
     return sample
+
+
+def _top(row: tuple[tuple[int, float], ...]) -> rollout_pb2.TopLogprobs:
+    return rollout_pb2.TopLogprobs(token_ids=[t for t, _ in row], logprobs=[lp for _, lp in row])
+
+
+def _completion(ids: list[int], samples: list[GeneratedSample]) -> rollout_pb2.Completion:
+    out = rollout_pb2.Completion(prompt_token_ids=ids, samples=[sample_proto(s) for s in samples])
+    first = samples[0] if samples else None
+    if first is not None and first.prompt_logprobs is not None:
+        out.prompt_logprobs.extend(first.prompt_logprobs)
+        out.prompt_top_logprobs.extend(_top(row) for row in first.prompt_top_logprobs or ())
+    return out
 
 
 def completions_proto(prompts: list[list[int]], outputs: list[list[GeneratedSample]]) -> list[rollout_pb2.Completion]:
     """One completion per prompt, in order."""
-    return [rollout_pb2.Completion(prompt_token_ids=ids, samples=[sample_proto(s) for s in samples])
-            for ids, samples in zip(prompts, outputs)]
+    return [_completion(ids, samples) for ids, samples in zip(prompts, outputs)]

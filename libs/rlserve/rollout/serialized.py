@@ -86,6 +86,11 @@ class Serialized(RolloutEngine):
         async with self._lock:
             await in_thread_to_the_end(self.engine.drop_adapter, adapter_id)
 
+    async def use_deployed_base(self) -> None:
+        async with self._lock:
+            await in_thread_to_the_end(self.engine.use_deployed_base)
+            self._version = 0
+
     def _handoff(self) -> HandoffReceiver:
         if self._receiver is None:
             raise NotImplementedError(f"the {self.name} engine takes weights from the weight store only "

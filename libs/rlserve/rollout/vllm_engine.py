@@ -43,6 +43,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,9 @@ class VllmEngine(RolloutEngine):
         run's, or an exclusive adapter on a run's own base)."""
         if not self.cfg.enable_lora:
             raise ValueError("this rollout serves without LoRA (enable_lora in its args)")
+        await self.use_deployed_base()
+
+    async def use_deployed_base(self) -> None:
         deployed = Path(self.cfg.model_path).resolve()
         if self._base == deployed and self._lora is None:
             return
@@ -243,7 +247,8 @@ class VllmEngine(RolloutEngine):
             stop_token_ids=list(sampling.stop_token_ids) or None,
             # Distinct seeds per prompt: equal prompts in one call must not sample alike.
             seed=None if sampling.seed is None else sampling.seed + index,
-            logprobs=0,
+            logprobs=sampling.top_logprobs,
+            prompt_logprobs=sampling.prompt_logprobs,
             output_kind=RequestOutputKind.FINAL_ONLY,
             # Incremental detokenisation costs the replica a tokenizer call per token and step; without
             # stop strings one decode of the finished sample (`_sample`) gives the same text.
@@ -261,8 +266,19 @@ class VllmEngine(RolloutEngine):
                 final = out
         finally:
             self._activity.request_finished(sum(len(o.token_ids) for o in final.outputs) if final else 0)
-        return [self._sample(o, params.detokenize, adapter, len(ids) if sampling.routed_experts else None)
-                for o in final.outputs]
+        samples = [self._sample(o, params.detokenize, adapter, len(ids) if sampling.routed_experts else None)
+                   for o in final.outputs]
+        if sampling.top_logprobs:
+            samples = [replace(s, top_logprobs=tuple(_top(step, sampling.top_logprobs) for step in o.logprobs or []))
+                       for s, o in zip(samples, final.outputs)]
+        if sampling.prompt_logprobs is not None:
+            # vLLM's first entry is None (nothing precedes the first token); each other holds the prompt's own
+            # token and the most likely ones, as raw logprobs (`logprobs_mode`).
+            rows = final.prompt_logprobs[1:]
+            picked = tuple(row[tok].logprob for tok, row in zip(ids[1:], rows))
+            top = tuple(_top(row, sampling.prompt_logprobs) for row in rows) if sampling.prompt_logprobs else None
+            samples = [replace(s, prompt_logprobs=picked, prompt_top_logprobs=top) for s in samples]
+        return samples
 
     def _sample(self, o, detokenized: bool, adapter: RunAdapter | None, prompt_len: int | None) -> GeneratedSample:
         ids = list(o.token_ids)
@@ -455,3 +471,10 @@ class VllmEngine(RolloutEngine):
             shutil.rmtree(folder, ignore_errors=True)
         if self._rebuilt_from is not None:
             shutil.rmtree(self._rebuilt_from, ignore_errors=True)
+
+
+def _top(step: dict, k: int) -> tuple[tuple[int, float], ...]:
+    """The `k` most likely (token, logprob) of one position of vLLM's logprobs (which also holds the chosen
+    token, whatever its rank), most likely first."""
+    ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in step.items() if lp.rank is not None and lp.rank <= k))
+    return tuple((tok, logprob) for _, tok, logprob in ranked[:k])

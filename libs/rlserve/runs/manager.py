@@ -31,6 +31,11 @@ its owner. The tenancy policy (`rlserve.tenancy`, read live from the cluster
 file) bounds the queue, the runs that train at once, and per user their
 unfinished runs, their waiting runs, a run's size and its priority.
 
+A run its user drives call by call (a Tinker model's, `open_run`: `rlserve.tinker`) is owned, queued,
+counted against the quotas and cancelled like any run; it waits in the call that opens it while the
+user's quota or the queue is full, its own body runs it, its calls record what it spends, and it is never
+resumed (a coordinator that restarts ends it: its session is gone, its checkpoints stay).
+
 States: QUEUED -> RUNNING -> SUCCEEDED | FAILED | PAUSED | CANCELLING -> CANCELLED (PAUSED: the
 consistency guard stopped it after a checkpoint; `resume` continues it like a FAILED run).
 A run that ends has a balanced ledger: what was in flight when it failed or
@@ -61,7 +66,7 @@ from rlserve.runs.spec_reader import SpecReader
 from rlserve.security.paths import RunAccess
 from rlserve.security.principal import SYSTEM, Principal
 from rlserve.tenancy.live import LiveTenancy
-from rlserve.tenancy.policy import TenancyPolicy
+from rlserve.tenancy.policy import OverLimit, TenancyPolicy
 from rlserve.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("rlserve.coordinator")
@@ -71,6 +76,8 @@ EVENTS_KEPT = 16
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 RunBody = Callable[[Run], Awaitable[None]]
+# A run its user drives (`open_run`) checks the quota, the queue and its turn this often while it waits.
+OPEN_POLL_S = 0.5
 
 
 class Admission:
@@ -95,6 +102,8 @@ class _Slot:
     preflight: asyncio.Task | None = None
     preflight_passed: bool = False
     cancel_requested: bool = False
+    # What runs the run (None: the manager's body, rlserve's loop; a run its user drives has its own).
+    body: RunBody | None = None
 
     @property
     def active(self) -> bool:
@@ -165,7 +174,10 @@ class RunManager:
                         key=lambda r: (r.state != pb.RUN_STATE_RUNNING, r.created))
         for run in active:
             was = STATE_NAMES[run.state]
-            if run.state == pb.RUN_STATE_CANCELLING:
+            if run.kind != "loop":  # a run its user drove (a Tinker model): its session ended with the coordinator
+                run.end(pb.RUN_STATE_CANCELLED, f"the coordinator restarted while the {run.kind} run was {was}; its "
+                        f"session ended (its checkpoints stay)", reason="cancelled")
+            elif run.state == pb.RUN_STATE_CANCELLING:
                 run.end(pb.RUN_STATE_CANCELLED, "the coordinator restarted while the run was cancelling",
                         reason="cancelled")
             elif self.resume_on_restart and run.spec.checkpointing.auto_resume:
@@ -217,6 +229,9 @@ class RunManager:
         slot = self._visible(run_id, caller)
         if not (run_dir / "spec.yaml").is_file() or (slot is None and not caller.is_admin):
             raise _not_found(run_id)
+        if slot is not None and slot.run.kind != "loop":
+            raise failed_precondition(f"run {run_id!r} is a {slot.run.kind} run, driven by its user's calls: it is "
+                                      f"not resumed (start a new one from its checkpoints)")
         earlier = slot.run if slot else None
         if earlier is not None and earlier.state not in TERMINAL:
             raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[earlier.state]}")
@@ -291,6 +306,58 @@ class RunManager:
         event(log, "run.submitted", run=run_id, owner=run.owner, caller=caller.name, resume=resume)
         slot.preflight = asyncio.get_running_loop().create_task(self._preflight(slot))
         return run
+
+    async def open_run(self, caller: Principal, spec: RunSpec, run_id: str, kind: str, body: RunBody,
+                       waiting: Callable[[str, str], None]) -> Run:
+        """A run its user drives call by call (`kind`: a Tinker model), which `body` runs once it starts. It waits
+        while the user's quota or the queue is full (`waiting("quota" | "capacity", why)`), then queues like any
+        run (its caller checked its spec: no preflight) and waits for its turn (`waiting("capacity", why)`);
+        returns once it runs. Cancelling the call cancels the run."""
+        check_run_id(run_id)
+        if run_id in self._slots or (self.runs_dir / run_id).exists():
+            raise already_exists(f"run {run_id!r} exists")
+        while True:
+            policy = self.tenancy.current()
+            try:
+                policy.check_queue(len(self.queue))
+            except OverLimit as err:
+                waiting("capacity", err.message)
+                await asyncio.sleep(OPEN_POLL_S)
+                continue
+            try:
+                policy.check_submit(caller, spec, *self._counts(caller))
+            except OverLimit as err:
+                waiting("quota", err.message)
+                await asyncio.sleep(OPEN_POLL_S)
+                continue
+            break
+        run = Run(run_id, spec, self.runs_dir / run_id, caller.name, kind)
+        (run.run_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        self._slots[run_id] = _Slot(run, preflight_passed=True, body=body)
+        self.queue.append(run_id)
+        run.set_state(pb.RUN_STATE_QUEUED)
+        run.emit(pb.EVENT_KIND_INFO, f"opened by {caller.name}")
+        event(log, "run.opened", run=run_id, owner=run.owner, kind=kind)
+        self._schedule()
+        try:
+            while run.state == pb.RUN_STATE_QUEUED:
+                waiting("capacity", self._why_waiting(run_id))
+                await asyncio.sleep(OPEN_POLL_S)
+        except asyncio.CancelledError:
+            self.cancel(run_id, caller)
+            raise
+        if run.state != pb.RUN_STATE_RUNNING:
+            raise failed_precondition(f"run {run_id!r} is {STATE_NAMES[run.state]}: {run.error}")
+        return run
+
+    def _why_waiting(self, run_id: str) -> str:
+        ahead = self.queue.index(run_id) if run_id in self.queue else 0
+        active = [s.run for s in self._slots.values() if s.active]
+        alone = [r.run_id for r in active if not r.spec.shares_deployed_base]
+        if alone:
+            return f"run {alone[0]!r} trains the whole policy and has the cluster alone until it ends"
+        return (f"{len(active)} runs train (tenancy.cluster.max_training_runs: "
+                f"{self.tenancy.current().cluster.max_training_runs}) and {ahead} wait before this one")
 
     async def _preflight(self, slot: _Slot) -> None:
         run = slot.run
@@ -417,7 +484,7 @@ class RunManager:
     async def _execute(self, slot: _Slot) -> None:
         run = slot.run
         try:
-            await self.body(run)
+            await (slot.body or self.body)(run)
         except asyncio.CancelledError:
             if not slot.cancel_requested:
                 # The coordinator itself is going away: the run stays RUNNING on disk and the next

@@ -48,10 +48,12 @@ LEGACY_OWNER = LEGACY_USER
 
 
 class Run:
-    def __init__(self, run_id: str, spec: RunSpec, run_dir: Path, owner: str = LEGACY_OWNER):
+    def __init__(self, run_id: str, spec: RunSpec, run_dir: Path, owner: str = LEGACY_OWNER, kind: str = "loop"):
         self.run_id, self.run_dir = run_id, run_dir
         # The principal that submitted it (by name): only they and admins see it, and their quotas count it.
         self.owner = owner
+        # "loop": rlserve's loop runs it; "tinker": a Tinker model its user drives call by call (rlserve.tinker).
+        self.kind = kind
         self._spec = spec
         self._state = pb.RUN_STATE_QUEUED
         self._step = 0
@@ -134,6 +136,15 @@ class Run:
         self.recorder.metrics(step, metrics)
         self._ledger.train(int(metrics["batch/trajectories_trained"]))
         self.emit(pb.EVENT_KIND_STEP, f"step {step}/{self._spec.max_num_steps}", metrics)
+
+    def record_primitive_step(self, version: int, metrics: dict[str, float]) -> None:
+        """An optimizer step its user asked for (a Tinker model's optim_step) reached weight version `version`;
+        `metrics` holds what the calls since the last step spent (`usage/*`), announced by its STEP event."""
+        self._step, self._version = self._step + 1, version
+        self._last_metrics = dict(metrics)
+        self.recorder.metrics(self._step, metrics)
+        self.emit(pb.EVENT_KIND_STEP, f"optim_step {self._step}", metrics)
+        self.save()
 
     def rewind(self, checkpoint: Ledger, step: int, version: int, metrics_through: int) -> dict[str, float]:
         """Back to a checkpoint's ledger, step and version (metrics after step `metrics_through` are
@@ -261,7 +272,7 @@ class Run:
         owner = info.get("owner", LEGACY_OWNER)
         if not isinstance(owner, str):
             raise ValueError(f"owner: {owner!r} is not a principal's name")
-        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir, owner)
+        run = cls(info["run_id"], load_spec((run_dir / "spec.yaml").read_text()), run_dir, owner, info.get("kind", "loop"))
         run._state = _STATES[info["state"]]
         run._version, run._error = info["weight_version"], info["error"]
         run.created, run.updated = info["created"], info["updated"]
@@ -282,4 +293,4 @@ class Run:
             "weight_version": self.version, "error": self.error, "ledger": self.ledger.to_dict(),
             "created": self.created, "updated": self.updated, "final_model_path": self.final_model_path,
             "plot_path": self.plot_path, "last_metrics": self.last_metrics,
-            "owner": self.owner, "usage": self.usage.to_dict()})
+            "owner": self.owner, "usage": self.usage.to_dict(), "kind": self.kind})

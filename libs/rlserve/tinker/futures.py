@@ -25,14 +25,18 @@ QueueState = Literal["active", "paused_capacity", "paused_rate_limit"]
 
 
 class UserError(Exception):
-    """A client's mistake: the SDK's user-category failure (or 400 where the call has no future yet)."""
+    """A client's mistake: the SDK's user-category failure (or 400 where the call has no future yet; 404 with
+    `missing`: a session, model, sampler, future or path the caller does not have)."""
 
-    def __init__(self, field_name: str, message: str):
+    def __init__(self, field_name: str, message: str, missing: bool = False):
         super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+        self.field, self.missing = field_name, missing
+
+    def __reduce__(self):  # keep the type across Ray's pickling
+        return (type(self), (self.field, str(self).partition(": ")[2], self.missing))
 
 
-@dataclass
+@dataclass(eq=False)
 class Future:
     request_id: str
     owner: str

@@ -7,9 +7,8 @@ loss_fn_inputs.weights`), never an exception of the parser.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -18,23 +17,13 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from rlserve.rollout.interfaces import GeneratedSample
+from rlserve.rollout.interfaces import GeneratedSample, SamplingSpec
 from rlserve.tinker.futures import UserError
-from rlserve.training.primitives import LOSSES, Datum, loss_config
+from rlserve.training.primitives import LOSSES, AdamStep, Datum, loss_config
 
 # What one request may hold, whatever the listener's byte bound: a decompressed body (a zstd bomb is
 # refused past it) and one datum's tokens.
 MAX_BODY_BYTES = 64 * 2**20
-
-
-def body_json(raw: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UserError("body", f"not JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise UserError("body", "must be a JSON object")
-    return value
 
 
 def field_of(body: dict[str, Any], name: str, kind: type | tuple[type, ...], required: bool = True,
@@ -227,29 +216,112 @@ def forward_backward_output(logprobs: list[torch.Tensor], metrics: dict[str, flo
     return out.SerializeToString()
 
 
+# --- optim_step -------------------------------------------------------------------------------
+
+
+def adam(params: Any) -> AdamStep:
+    """`OptimStepRequest.adam_params` (the SDK's AdamParams) as the learner's update."""
+    if not isinstance(params, dict):
+        raise UserError("adam_params", "is required")
+    if params.get("type", "adam") not in ("adam", "adamw"):
+        raise UserError("adam_params.type", f"{params.get('type')!r}: this server trains with AdamW only")
+    known = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm", "type"}
+    extra = sorted(set(params) - known)
+    if extra:
+        raise UserError(f"adam_params.{extra[0]}", "is not an AdamParams field")
+    values = {k: params[k] for k in known - {"type"} if params.get(k) is not None}
+    for k, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise UserError(f"adam_params.{k}", f"must be a finite number, got {v!r}")
+    values.setdefault("learning_rate", 1e-4)  # the SDK's default
+    step = AdamStep(**{k: float(v) for k, v in values.items()})
+    for name, ok in (("learning_rate", step.learning_rate >= 0), ("beta1", 0 <= step.beta1 < 1),
+                     ("beta2", 0 <= step.beta2 < 1), ("eps", step.eps >= 0), ("weight_decay", step.weight_decay >= 0),
+                     ("grad_clip_norm", step.grad_clip_norm >= 0)):
+        if not ok:
+            raise UserError(f"adam_params.{name}", f"{getattr(step, name)} is out of range")
+    return step
+
+
 # --- sampling -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SampleAsk:
+    """What a `SampleRequest` asks beyond the samples."""
+
+    sampling: SamplingSpec  # its prompt_logprobs / top_logprobs: what the engine computes
+    prompt_logprobs: bool
+    topk_prompt: int
+    last_n: int | None  # prompt_logprobs_last_n: only the last N prompt positions are scored
+    topk_sample: int
+
+
+def _count(body: dict[str, Any], name: str, high: int) -> int:
+    value = field_of(body, name, int, required=False, default=0)
+    if not 0 <= value <= high:
+        raise UserError(name, f"must be in [0, {high}], got {value}")
+    return value
+
+
+def sample_request(body: dict[str, Any], prompt_len: int, vocab_size: int, max_top: int) -> SampleAsk:
+    """A `SampleRequest`'s sampling params and logprob asks, each checked against the prompt and the vocabulary."""
+    if body.get("target_prompt_logprobs") is not None:
+        raise UserError("target_prompt_logprobs", "is not served by this server (topk_prompt_logprobs is)")
+    if body.get("prompt_alt_tokens_k"):
+        raise UserError("prompt_alt_tokens_k", "is not served by this server")
+    prompt_lps = bool(field_of(body, "prompt_logprobs", bool, required=False, default=False))
+    topk_prompt = _count(body, "topk_prompt_logprobs", max_top)
+    topk_sample = _count(body, "topk_sample_logprobs", max_top)
+    last_n = field_of(body, "prompt_logprobs_last_n", int, required=False)
+    if last_n is not None:
+        if not prompt_lps:
+            raise UserError("prompt_logprobs_last_n", "applies to prompt logprobs: set prompt_logprobs")
+        if not 1 <= last_n <= prompt_len - 1:
+            raise UserError("prompt_logprobs_last_n", f"must be in [1, {prompt_len - 1}] (the prompt's tokens after "
+                                                      f"the first), got {last_n}")
+    sampling = _sampling(body.get("sampling_params"), vocab_size)
+    asked = prompt_lps or topk_prompt > 0
+    return SampleAsk(replace(sampling, prompt_logprobs=topk_prompt if asked else None, top_logprobs=topk_sample),
+                     prompt_lps, topk_prompt, last_n, topk_sample)
+
+
+def _topk(rows: list[list[tuple[int, float]] | None], k: int) -> pb.TopkLogprobs:
+    """The SDK's dense top-k matrices; a None row (and a short row's tail) holds its sentinel (token 0,
+    logprob -99999)."""
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), -99999.0, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate((row or [])[:k]):
+            ids[i, j], lps[i, j] = tok, lp
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
+
+
 def sample_response(samples: list[GeneratedSample], prompt_logprobs: list[float] | None,
-                    topk: list[list[tuple[int, float]]] | None) -> bytes:
-    """`SampleResponse`; prompt logprobs are None (NaN) at position 0, which nothing precedes."""
+                    prompt_top: list[list[tuple[int, float]]] | None, ask: SampleAsk) -> bytes:
+    """`SampleResponse`; prompt logprobs are None (NaN) at position 0, which nothing precedes, and before the
+    last `prompt_logprobs_last_n` positions."""
     out = pb.SampleResponse()
     for s in samples:
         seq = out.sequences.add(stop_reason=pb.STOP_REASON_STOP if s.finish_reason == "stop"
                                 else pb.STOP_REASON_LENGTH)
         seq.tokens = np.asarray(s.token_ids, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-    if prompt_logprobs is not None:
-        out.prompt_logprobs = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32).tobytes()
-    if topk:
-        k = max(len(row) for row in topk)
-        ids = np.zeros((len(topk) + 1, k), dtype=np.int32)
-        lps = np.full((len(topk) + 1, k), -99999.0, dtype=np.float32)
-        for i, row in enumerate(topk, start=1):
-            for j, (tok, lp) in enumerate(row):
-                ids[i, j], lps[i, j] = tok, lp
-        out.topk_prompt_logprobs.token_ids, out.topk_prompt_logprobs.logprobs = ids.tobytes(), lps.tobytes()
-        out.topk_prompt_logprobs.k, out.topk_prompt_logprobs.length = k, len(topk) + 1
+        if ask.topk_sample:
+            seq.topk_sampled_logprobs.CopyFrom(_topk([list(r) for r in s.top_logprobs or ()], ask.topk_sample))
+    if prompt_logprobs is None:
+        return out.SerializeToString()
+    n = len(prompt_logprobs)  # the prompt's length - 1
+    skip = n - ask.last_n if ask.last_n is not None else 0
+    if ask.prompt_logprobs:
+        values = np.asarray([math.nan, *prompt_logprobs], dtype=np.float32)
+        values[1:1 + skip] = math.nan
+        out.prompt_logprobs = values.tobytes()
+    if ask.topk_prompt:
+        rows: list[list[tuple[int, float]] | None] = [None, *(prompt_top or [[]] * n)]
+        for i in range(1, 1 + skip):
+            rows[i] = None
+        out.topk_prompt_logprobs.CopyFrom(_topk(rows, ask.topk_prompt))
     return out.SerializeToString()
 
 
@@ -272,3 +344,40 @@ def prompt_tokens(prompt: Any, vocab_size: int, max_tokens: int) -> list[int]:
     if min(tokens) < 0 or max(tokens) >= vocab_size:
         raise UserError("prompt", f"token ids must be in [0, {vocab_size})")
     return tokens
+
+
+def _sampling(params: Any, vocab_size: int) -> SamplingSpec:
+    if not isinstance(params, dict):
+        raise UserError("sampling_params", "is required")
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = 16
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 8192:
+        raise UserError("sampling_params.max_tokens", f"must be an integer in [1, 8192], got {max_tokens!r}")
+    temperature = params.get("temperature", 1.0)
+    top_p = params.get("top_p", 1.0)
+    top_k = params.get("top_k", -1)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 100:
+        raise UserError("sampling_params.temperature", f"must be in [0, 100], got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise UserError("sampling_params.top_p", f"must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
+        raise UserError("sampling_params.top_k", f"must be -1 or >= 1, got {top_k!r}")
+    stop = params.get("stop")
+    strings: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    if isinstance(stop, str):
+        strings = (stop,)
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        strings = tuple(stop)  # [] too: no stop sequences
+    elif isinstance(stop, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in stop):
+        if any(not 0 <= x < vocab_size for x in stop):
+            raise UserError("sampling_params.stop", f"token ids must be in [0, {vocab_size})")
+        token_ids = tuple(stop)
+    elif stop is not None:
+        raise UserError("sampling_params.stop", "must be a string, a list of strings or a list of token ids")
+    seed = params.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise UserError("sampling_params.seed", f"must be an integer, got {seed!r}")
+    return SamplingSpec(temperature=float(temperature), top_p=float(top_p), top_k=None if top_k == -1 else top_k,
+                        max_new_tokens=max_tokens, stop_strings=strings, stop_token_ids=token_ids, seed=seed)

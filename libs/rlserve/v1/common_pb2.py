@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlserve/v1/common.proto\x12\nrlserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbd\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\x05\x42\x07\n\x05_seed*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17rlserve/v1/common.proto\x12\nrlserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x85\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cstop_strings\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=256
-  _globals['_FINISHREASON']._serialized_end=376
+  _globals['_FINISHREASON']._serialized_start=328
+  _globals['_FINISHREASON']._serialized_end=448
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_SAMPLINGPARAMS']._serialized_start=65
-  _globals['_SAMPLINGPARAMS']._serialized_end=254
+  _globals['_SAMPLINGPARAMS']._serialized_end=326
 # @@protoc_insertion_point(module_scope)

@@ -164,3 +164,95 @@ class ReleaseSessionResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class FloatList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Datum(_message.Message):
+    __slots__ = ("tokens", "target_tokens", "inputs")
+    class InputsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: FloatList
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[FloatList, _Mapping]] = ...) -> None: ...
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    target_tokens: _containers.RepeatedScalarFieldContainer[int]
+    inputs: _containers.MessageMap[str, FloatList]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., inputs: _Optional[_Mapping[str, FloatList]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("run_id", "datums", "loss_fn", "loss_fn_config", "backward")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DATUMS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    datums: _containers.RepeatedCompositeFieldContainer[Datum]
+    loss_fn: str
+    loss_fn_config: _containers.ScalarMap[str, float]
+    backward: bool
+    def __init__(self, run_id: _Optional[str] = ..., datums: _Optional[_Iterable[_Union[Datum, _Mapping]]] = ..., loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ..., backward: _Optional[bool] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("logprobs", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[FloatList]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[FloatList, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("run_id", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, run_id: _Optional[str] = ..., learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("weight_version", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, weight_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...

@@ -68,6 +68,16 @@ class LearnerStub:
                 request_serializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.Forward = channel.unary_unary(
+                '/rlserve.v1.Learner/Forward',
+                request_serializer=rlserve_dot_v1_dot_learner__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=rlserve_dot_v1_dot_learner__pb2.ForwardResponse.FromString,
+                _registered_method=True)
+        self.OptimStep = channel.unary_unary(
+                '/rlserve.v1.Learner/OptimStep',
+                request_serializer=rlserve_dot_v1_dot_learner__pb2.OptimStepRequest.SerializeToString,
+                response_deserializer=rlserve_dot_v1_dot_learner__pb2.OptimStepResponse.FromString,
+                _registered_method=True)
 
 
 class LearnerServicer:
@@ -117,6 +127,21 @@ class LearnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forward(self, request, context):
+        """The primitives below a whole step (the Tinker API's, rlserve.tinker): a loss on datums, and with
+        `backward` its gradients, which add up over calls until OptimStep (rlserve.training.primitives).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OptimStep(self, request, context):
+        """One AdamW update on the gradients accumulated since the last one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LearnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +174,16 @@ def add_LearnerServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=rlserve_dot_v1_dot_learner__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'Forward': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=rlserve_dot_v1_dot_learner__pb2.ForwardRequest.FromString,
+                    response_serializer=rlserve_dot_v1_dot_learner__pb2.ForwardResponse.SerializeToString,
+            ),
+            'OptimStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.OptimStep,
+                    request_deserializer=rlserve_dot_v1_dot_learner__pb2.OptimStepRequest.FromString,
+                    response_serializer=rlserve_dot_v1_dot_learner__pb2.OptimStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +352,60 @@ class Learner:
             '/rlserve.v1.Learner/ReleaseSession',
             rlserve_dot_v1_dot_learner__pb2.ReleaseSessionRequest.SerializeToString,
             rlserve_dot_v1_dot_learner__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Learner/Forward',
+            rlserve_dot_v1_dot_learner__pb2.ForwardRequest.SerializeToString,
+            rlserve_dot_v1_dot_learner__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OptimStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlserve.v1.Learner/OptimStep',
+            rlserve_dot_v1_dot_learner__pb2.OptimStepRequest.SerializeToString,
+            rlserve_dot_v1_dot_learner__pb2.OptimStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlserve.v1 import common_pb2 as rlserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlserve/v1/rollout.proto\x12\nrlserve.v1\x1a\x17rlserve/v1/common.proto\"N\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.rlserve.v1.TokenIdsH\x00\x42\t\n\x07\x63ontent\"\xe4\x01\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.rlserve.v1.Prompt\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlserve.v1.SamplingParams\x12\x1a\n\x12min_weight_version\x18\x04 \x01(\x04\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x13\n\x0bshared_base\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x01\x12\x16\n\x0erouted_experts\x18\x08 \x01(\x08\"9\n\nVersionRun\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xcd\x01\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.rlserve.v1.FinishReason\x12\x0c\n\x04text\x18\x04 \x01(\t\x12,\n\x0cversion_runs\x18\x05 \x03(\x0b\x32\x16.rlserve.v1.VersionRun\x12\x31\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x19.rlserve.v1.RoutedExperts\"R\n\rRoutedExperts\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x19\n\x11\x65xperts_per_token\x18\x02 \x01(\x05\x12\x12\n\nexpert_ids\x18\x03 \x01(\x0c\"K\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12#\n\x07samples\x18\x02 \x03(\x0b\x32\x12.rlserve.v1.Sample\"\xb1\x01\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.rlserve.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_seconds\x18\x04 \x01(\x01\x12,\n\x08\x61\x63tivity\x18\x05 \x01(\x0b\x32\x1a.rlserve.v1.EngineActivity\"x\n\x0e\x45ngineActivity\x12\x10\n\x08uptime_s\x18\x01 \x01(\x01\x12\x0e\n\x06idle_s\x18\x02 \x01(\x01\x12\x10\n\x08paused_s\x18\x03 \x01(\x01\x12\x18\n\x10requests_running\x18\x04 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\"\xaa\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\nstore_name\x18\x02 \x01(\tH\x00\x12\x1a\n\x10safetensors_path\x18\x03 \x01(\tH\x00\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\x12\x11\n\tin_flight\x18\x05 \x01(\x08\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x13\n\x0bshared_base\x18\x07 \x01(\x08\x42\x08\n\x06source\"\x99\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x15\n\rfetch_seconds\x18\x04 \x01(\x01\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x12\n\nreplica_id\x18\x06 \x01(\t\"(\n\x0eGetInfoRequest\x12\x16\n\x0eweight_digests\x18\x01 \x01(\x08\"\xe6\x04\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12 \n\x18\x61rchitecture_fingerprint\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\n \x01(\x01\x12\x15\n\renforce_eager\x18\x0b \x01(\x08\x12\x17\n\x0fweight_transfer\x18\x0c \x01(\t\x12,\n\x08\x61\x63tivity\x18\r \x01(\x0b\x32\x1a.rlserve.v1.EngineActivity\x12\x0e\n\x06run_id\x18\x0e \x01(\t\x12\x14\n\x0clora_enabled\x18\x0f \x01(\x08\x12\x11\n\tmax_loras\x18\x10 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x11 \x01(\x05\x12(\n\x08\x61\x64\x61pters\x18\x12 \x03(\x0b\x32\x16.rlserve.v1.RunAdapter\x12\x44\n\rweight_sha256\x18\x13 \x03(\x0b\x32-.rlserve.v1.GetInfoResponse.WeightSha256Entry\x12\x1b\n\x13routing_unavailable\x18\x14 \x01(\t\x1a\x33\n\x11WeightSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"-\n\nRunAdapter\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\xea\x01\n\x07Rollout\x12\x45\n\x08Generate\x12\x1b.rlserve.v1.GenerateRequest\x1a\x1c.rlserve.v1.GenerateResponse\x12T\n\rUpdateWeights\x12 .rlserve.v1.UpdateWeightsRequest\x1a!.rlserve.v1.UpdateWeightsResponse\x12\x42\n\x07GetInfo\x12\x1a.rlserve.v1.GetInfoRequest\x1a\x1b.rlserve.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlserve/v1/rollout.proto\x12\nrlserve.v1\x1a\x17rlserve/v1/common.proto\"N\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.rlserve.v1.TokenIdsH\x00\x42\t\n\x07\x63ontent\"\x91\x02\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.rlserve.v1.Prompt\x12\x13\n\x0bnum_samples\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlserve.v1.SamplingParams\x12\x1a\n\x12min_weight_version\x18\x04 \x01(\x04\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x13\n\x0bshared_base\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x01\x12\x16\n\x0erouted_experts\x18\x08 \x01(\x08\x12\x14\n\x0c\x61\x64\x61pter_path\x18\t \x01(\t\x12\x15\n\rdeployed_base\x18\n \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"9\n\nVersionRun\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xfc\x01\n\x06Sample\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.rlserve.v1.FinishReason\x12\x0c\n\x04text\x18\x04 \x01(\t\x12,\n\x0cversion_runs\x18\x05 \x03(\x0b\x32\x16.rlserve.v1.VersionRun\x12\x31\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x19.rlserve.v1.RoutedExperts\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.rlserve.v1.TopLogprobs\"R\n\rRoutedExperts\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x19\n\x11\x65xperts_per_token\x18\x02 \x01(\x05\x12\x12\n\nexpert_ids\x18\x03 \x01(\x0c\"\x9a\x01\n\nCompletion\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12#\n\x07samples\x18\x02 \x03(\x0b\x32\x12.rlserve.v1.Sample\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x04 \x03(\x0b\x32\x17.rlserve.v1.TopLogprobs\"\xb1\x01\n\x10GenerateResponse\x12+\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x16.rlserve.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_seconds\x18\x04 \x01(\x01\x12,\n\x08\x61\x63tivity\x18\x05 \x01(\x0b\x32\x1a.rlserve.v1.EngineActivity\"x\n\x0e\x45ngineActivity\x12\x10\n\x08uptime_s\x18\x01 \x01(\x01\x12\x0e\n\x06idle_s\x18\x02 \x01(\x01\x12\x10\n\x08paused_s\x18\x03 \x01(\x01\x12\x18\n\x10requests_running\x18\x04 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x04\"\xaa\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\nstore_name\x18\x02 \x01(\tH\x00\x12\x1a\n\x10safetensors_path\x18\x03 \x01(\tH\x00\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\x12\x11\n\tin_flight\x18\x05 \x01(\x08\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x13\n\x0bshared_base\x18\x07 \x01(\x08\x42\x08\n\x06source\"\x99\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\x05\x12\x11\n\tnum_bytes\x18\x03 \x01(\x03\x12\x15\n\rfetch_seconds\x18\x04 \x01(\x01\x12\x15\n\rapply_seconds\x18\x05 \x01(\x01\x12\x12\n\nreplica_id\x18\x06 \x01(\t\"(\n\x0eGetInfoRequest\x12\x16\n\x0eweight_digests\x18\x01 \x01(\x08\"\xe6\x04\n\x0fGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x12\n\nreplica_id\x18\x06 \x01(\t\x12 \n\x18\x61rchitecture_fingerprint\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16gpu_memory_utilization\x18\n \x01(\x01\x12\x15\n\renforce_eager\x18\x0b \x01(\x08\x12\x17\n\x0fweight_transfer\x18\x0c \x01(\t\x12,\n\x08\x61\x63tivity\x18\r \x01(\x0b\x32\x1a.rlserve.v1.EngineActivity\x12\x0e\n\x06run_id\x18\x0e \x01(\t\x12\x14\n\x0clora_enabled\x18\x0f \x01(\x08\x12\x11\n\tmax_loras\x18\x10 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x11 \x01(\x05\x12(\n\x08\x61\x64\x61pters\x18\x12 \x03(\x0b\x32\x16.rlserve.v1.RunAdapter\x12\x44\n\rweight_sha256\x18\x13 \x03(\x0b\x32-.rlserve.v1.GetInfoResponse.WeightSha256Entry\x12\x1b\n\x13routing_unavailable\x18\x14 \x01(\t\x1a\x33\n\x11WeightSha256Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"-\n\nRunAdapter\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x32\xea\x01\n\x07Rollout\x12\x45\n\x08Generate\x12\x1b.rlserve.v1.GenerateRequest\x1a\x1c.rlserve.v1.GenerateResponse\x12T\n\rUpdateWeights\x12 .rlserve.v1.UpdateWeightsRequest\x1a!.rlserve.v1.UpdateWeightsResponse\x12\x42\n\x07GetInfo\x12\x1a.rlserve.v1.GetInfoRequest\x1a\x1b.rlserve.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,31 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=65
   _globals['_PROMPT']._serialized_end=143
   _globals['_GENERATEREQUEST']._serialized_start=146
-  _globals['_GENERATEREQUEST']._serialized_end=374
-  _globals['_VERSIONRUN']._serialized_start=376
-  _globals['_VERSIONRUN']._serialized_end=433
-  _globals['_SAMPLE']._serialized_start=436
-  _globals['_SAMPLE']._serialized_end=641
-  _globals['_ROUTEDEXPERTS']._serialized_start=643
-  _globals['_ROUTEDEXPERTS']._serialized_end=725
-  _globals['_COMPLETION']._serialized_start=727
-  _globals['_COMPLETION']._serialized_end=802
-  _globals['_GENERATERESPONSE']._serialized_start=805
-  _globals['_GENERATERESPONSE']._serialized_end=982
-  _globals['_ENGINEACTIVITY']._serialized_start=984
-  _globals['_ENGINEACTIVITY']._serialized_end=1104
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1107
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1277
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1280
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1433
-  _globals['_GETINFOREQUEST']._serialized_start=1435
-  _globals['_GETINFOREQUEST']._serialized_end=1475
-  _globals['_GETINFORESPONSE']._serialized_start=1478
-  _globals['_GETINFORESPONSE']._serialized_end=2092
-  _globals['_GETINFORESPONSE_WEIGHTSHA256ENTRY']._serialized_start=2041
-  _globals['_GETINFORESPONSE_WEIGHTSHA256ENTRY']._serialized_end=2092
-  _globals['_RUNADAPTER']._serialized_start=2094
-  _globals['_RUNADAPTER']._serialized_end=2139
-  _globals['_ROLLOUT']._serialized_start=2142
-  _globals['_ROLLOUT']._serialized_end=2376
+  _globals['_GENERATEREQUEST']._serialized_end=419
+  _globals['_TOPLOGPROBS']._serialized_start=421
+  _globals['_TOPLOGPROBS']._serialized_end=471
+  _globals['_VERSIONRUN']._serialized_start=473
+  _globals['_VERSIONRUN']._serialized_end=530
+  _globals['_SAMPLE']._serialized_start=533
+  _globals['_SAMPLE']._serialized_end=785
+  _globals['_ROUTEDEXPERTS']._serialized_start=787
+  _globals['_ROUTEDEXPERTS']._serialized_end=869
+  _globals['_COMPLETION']._serialized_start=872
+  _globals['_COMPLETION']._serialized_end=1026
+  _globals['_GENERATERESPONSE']._serialized_start=1029
+  _globals['_GENERATERESPONSE']._serialized_end=1206
+  _globals['_ENGINEACTIVITY']._serialized_start=1208
+  _globals['_ENGINEACTIVITY']._serialized_end=1328
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1331
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1501
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1504
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1657
+  _globals['_GETINFOREQUEST']._serialized_start=1659
+  _globals['_GETINFOREQUEST']._serialized_end=1699
+  _globals['_GETINFORESPONSE']._serialized_start=1702
+  _globals['_GETINFORESPONSE']._serialized_end=2316
+  _globals['_GETINFORESPONSE_WEIGHTSHA256ENTRY']._serialized_start=2265
+  _globals['_GETINFORESPONSE_WEIGHTSHA256ENTRY']._serialized_end=2316
+  _globals['_RUNADAPTER']._serialized_start=2318
+  _globals['_RUNADAPTER']._serialized_end=2363
+  _globals['_ROLLOUT']._serialized_start=2366
+  _globals['_ROLLOUT']._serialized_end=2600
 # @@protoc_insertion_point(module_scope)

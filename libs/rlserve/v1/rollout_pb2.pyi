@@ -16,7 +16,7 @@ class Prompt(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base", "priority", "routed_experts")
+    __slots__ = ("prompts", "num_samples", "sampling", "min_weight_version", "run_id", "shared_base", "priority", "routed_experts", "adapter_path", "deployed_base")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class GenerateRequest(_message.Message):
     SHARED_BASE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_PATH_FIELD_NUMBER: _ClassVar[int]
+    DEPLOYED_BASE_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     num_samples: int
     sampling: _common_pb2.SamplingParams
@@ -33,7 +35,17 @@ class GenerateRequest(_message.Message):
     shared_base: bool
     priority: float
     routed_experts: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ..., priority: _Optional[float] = ..., routed_experts: _Optional[bool] = ...) -> None: ...
+    adapter_path: str
+    deployed_base: bool
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_weight_version: _Optional[int] = ..., run_id: _Optional[str] = ..., shared_base: _Optional[bool] = ..., priority: _Optional[float] = ..., routed_experts: _Optional[bool] = ..., adapter_path: _Optional[str] = ..., deployed_base: _Optional[bool] = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VersionRun(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -46,20 +58,22 @@ class VersionRun(_message.Message):
     def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "version_runs", "routed_experts")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "version_runs", "routed_experts", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
     text: str
     version_runs: _containers.RepeatedCompositeFieldContainer[VersionRun]
     routed_experts: RoutedExperts
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., version_runs: _Optional[_Iterable[_Union[VersionRun, _Mapping]]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., version_runs: _Optional[_Iterable[_Union[VersionRun, _Mapping]]] = ..., routed_experts: _Optional[_Union[RoutedExperts, _Mapping]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class RoutedExperts(_message.Message):
     __slots__ = ("num_layers", "experts_per_token", "expert_ids")
@@ -72,12 +86,16 @@ class RoutedExperts(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., expert_ids: _Optional[bytes] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_token_ids", "samples")
+    __slots__ = ("prompt_token_ids", "samples", "prompt_logprobs", "prompt_top_logprobs")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     samples: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("completions", "weight_version", "replica_id", "engine_seconds", "activity")

@@ -1,5 +1,6 @@
 """A Tinker endpoint for the official `tinker` SDK, without Ray: the gateway's real HTTP listener
-(`start_http`) with the Tinker API over the learner's real session table (an in-process worker group: the
+(`start_http`) with the Tinker API (its operations in process, models' runs in memory: `LocalRuns`) over the
+learner's real session table (an in-process worker group: the
 `tiny-chat` preset on CPU, gloo, one rank) and the real transformers rollout engine, in a thread of its own
 (the SDK blocks its caller). Two users hold `tml-` keys from the users file (`add_user(..., tinker=True)`).
 """
@@ -26,7 +27,8 @@ from rlserve.security.principal import Role
 from rlserve.security.users import add_user
 from rlserve.tenancy.policy import CallerLimits
 from rlserve.tinker.api import TinkerApi
-from rlserve.tinker.backends import EngineSampler, TableTrainer
+from rlserve.tinker.calls import TinkerCalls
+from rlserve.tinker.local import EngineSampler, LocalRuns, TableTrainer
 from rlserve.tinker.service import TinkerConfig, TinkerService
 from tests.unit.learner.conftest import KeptPublishing
 
@@ -39,6 +41,7 @@ class Endpoint:
     keys: dict[str, str]
     service: TinkerService
     sampler: EngineSampler
+    runs: LocalRuns
     loop: asyncio.AbstractEventLoop
 
     def run(self, coro):
@@ -67,11 +70,12 @@ def endpoint(tmp_path_factory) -> Iterator[Endpoint]:
             table = SessionTable(InProcessWorkerGroup.starter(KeptPublishing()))
             engine = TransformersEngine(EngineConfig(model_path=model, device="cpu", enable_lora=True, max_loras=2))
             sampler = EngineSampler(engine, max_adapters=2)
-            service = TinkerService(TinkerConfig({BASE: "preset:tiny-chat"}, tmp / "checkpoints"),
-                                    TableTrainer(table), sampler)
+            runs = LocalRuns()
+            service = TinkerService(TinkerConfig(bases={BASE: "preset:tiny-chat"}), tmp / "runs",
+                                    TableTrainer(table), sampler, runs)
             runner = await start_http(HttpConfig("127.0.0.1", 0, TokenStore(token_files, users),
-                                                 CallerLimits()), [TinkerApi(service, poll_s=2.0)])
-            started.update(port=runner.addresses[0][1], service=service, sampler=sampler, runner=runner)
+                                                 CallerLimits()), [TinkerApi(TinkerCalls(service, poll_s=2.0))])
+            started.update(port=runner.addresses[0][1], service=service, sampler=sampler, runs=runs, runner=runner)
 
         loop.run_until_complete(start())
         started["ready"].set()
@@ -81,7 +85,8 @@ def endpoint(tmp_path_factory) -> Iterator[Endpoint]:
     thread = threading.Thread(target=serve, daemon=True, name="tinker-endpoint")
     thread.start()
     assert started["ready"].wait(300)
-    yield Endpoint(f"http://127.0.0.1:{started['port']}", keys, started["service"], started["sampler"], loop)
+    yield Endpoint(f"http://127.0.0.1:{started['port']}", keys, started["service"], started["sampler"],
+                   started["runs"], loop)
     asyncio.run_coroutine_threadsafe(started["runner"].cleanup(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(30)

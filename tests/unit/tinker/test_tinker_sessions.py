@@ -8,8 +8,12 @@ import asyncio
 
 from tinker.lib._auth_token_provider import ApiKeyAuthProvider
 
+from rlserve.security.principal import Principal, Role
 from rlserve.security.users import add_user, read_users
+from rlserve.tinker.local import LocalRuns
 from rlserve.tinker.service import TinkerConfig, TinkerService
+
+ALICE = Principal("alice", Role.USER)
 
 
 class Recording:
@@ -17,7 +21,7 @@ class Recording:
         self.released: list[str] = []
 
     async def configure(self, run_id, spec, base, init_adapter):
-        pass
+        return 1
 
     async def release(self, run_id):
         self.released.append(run_id)
@@ -26,10 +30,10 @@ class Recording:
 def test_a_session_whose_heartbeats_stop_ends_with_its_models(tmp_path):
     async def main():
         trainer = Recording()
-        service = TinkerService(TinkerConfig({"b": "preset:tiny"}, tmp_path, heartbeat_timeout_s=0.4),
-                                trainer, sampler=None)
+        service = TinkerService(TinkerConfig(bases={"b": "preset:tiny"}, heartbeat_timeout_s=0.4), tmp_path,
+                                trainer, sampler=None, runs=LocalRuns())
         sid = service.create_session("alice")
-        future = service.create_model("alice", {"session_id": sid, "model_seq_id": 0, "base_model": "b",
+        future = service.create_model(ALICE, {"session_id": sid, "model_seq_id": 0, "base_model": "b",
                                                 "lora_config": {"rank": 4}})
         await future.task
         assert future.error is None and list(service.models) == [f"{sid}:train:0"]
