@@ -11,15 +11,15 @@ forward pass of the same tokens (the importance-sampling correction needs them e
     engine-continuous  the engine, generation: continuous (continuous batching, a paged cache; the engine's raw
                        logprobs), sized as a rollout replica is (--max-num-seqs x --max-model-len tokens)
     engine-static      the engine, generation: static (a static cache; the decode step compiled on a GPU)
+    engine-continuous-graphs   engine-continuous with CUDA graphs captured whatever the attention (transformers
+                       turns them off by itself where attention needs a mask, that is without flash attention)
     cb                 transformers' `generate_batch` alone, as a user calls it (a paged cache sized from free
                        memory, CUDA graphs on, return_logprobs: the processed distribution's, here temperature 1)
     hf-static          transformers' `generate` alone, with a static cache
 
     python scripts/bench/generation_gpu.py --preset 1b --dtype bfloat16    (bench-results/generation_gpu.json)
 
-`--cb-graphs on` captures CUDA graphs in engine-continuous too (transformers turns them off by itself where
-attention needs a mask, that is without flash attention). On a CPU machine it runs the same paths on a small
-preset (a smoke run; its speeds mean nothing).
+On a CPU machine it runs the same paths on a small preset (a smoke run; its speeds mean nothing).
 """
 
 from __future__ import annotations
@@ -69,11 +69,14 @@ class Engine:
     """The rollout engine in one generation mode, as a rollout replica builds it."""
 
     def __init__(self, path: Path, mode: str, args: argparse.Namespace, device: torch.device):
+        mode, _, graphs = mode.partition("-")
         self.engine = TransformersEngine(EngineConfig(
             model_path=path, dtype=args.dtype, device=device.type, generation=mode,
             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len))
-        if self.engine._continuous is not None and args.cb_graphs != "auto":
-            self.engine._continuous.cuda_graphs = args.cb_graphs == "on"
+        if graphs:
+            if graphs != "graphs" or self.engine._continuous is None:
+                raise ValueError(f"unknown mode engine-{mode}-{graphs}: only engine-continuous-graphs")
+            self.engine._continuous.cuda_graphs = True
 
     def __call__(self, prompts: list[list[int]], args: argparse.Namespace) -> Samples:
         groups = self.engine.generate(prompts, args.n, SamplingSpec(temperature=1.0, max_new_tokens=args.max_new_tokens))
@@ -154,11 +157,10 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=40)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2, help="timed calls after the first (median)")
-    parser.add_argument("--modes", default="engine-generate,engine-continuous,engine-static,cb")
+    parser.add_argument("--modes", default="engine-generate,engine-continuous,engine-continuous-graphs,"
+                                           "engine-static,cb")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="the engine's (the rollout args' default)")
     parser.add_argument("--max-model-len", type=int, default=1024, help="the engine's (cluster_gpu_one_1b's)")
-    parser.add_argument("--cb-graphs", choices=["auto", "on", "off"], default="auto",
-                        help="CUDA graphs in engine-continuous (auto: transformers decides)")
     parser.add_argument("--cb-memory", type=float, default=0.5, help="cb's share of free GPU memory")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,7 +207,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": preset,
         "dtype": args.dtype, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
         "prompt_tokens": [args.min_prompt, args.max_prompt], "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len, "cb_graphs": args.cb_graphs, "repeats": args.repeats,
+        "max_model_len": args.max_model_len, "repeats": args.repeats,
         "transformers": __import__("transformers").__version__, "torch": torch.__version__}))
 
 

@@ -147,14 +147,19 @@ class ContinuousBatching:
         try:
             ids = [manager.add_request(prompt, max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(stop_ids))
                    for prompt in prompts]
+            if None in ids:
+                raise RuntimeError("continuous batching refused a request (see transformers' warning)")
             while len(results) < len(prompts) * n:
                 out = manager.get_result(timeout=1)
                 if out is not None and out.is_finished():
                     results[out.request_id] = out
                 elif out is None and not manager.is_running():
                     raise RuntimeError(f"continuous batching stopped: {manager.background_thread_status.fatal_error}")
-        finally:
-            manager.stop(block=True, keep_for_next_session=True)
+        except BaseException:
+            manager.stop(block=True, timeout=30, hard_stop=True)
+            self.close()  # the next call starts from a new manager
+            raise
+        manager.stop(block=True, keep_for_next_session=True)
         samples = []
         for rid in ids:
             for sid in [*(f"{rid}__child#{i}" for i in range(n - 1)), rid]:
