@@ -53,3 +53,15 @@ def run_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
     if errors or len(out) != world:
         raise AssertionError("rank failed:\n" + "\n".join(errors or [f"results from {sorted(out)} only"]))
     return [out[r][1] for r in range(world)]
+
+
+def _in_turn(rank: int, world: int, calls: dict[str, tuple]) -> dict[str, Any]:
+    return {name: fn(rank, world, *args) for name, (fn, *args) in calls.items()}
+
+
+def run_ranks_in_turn(world: int, calls: dict[str, tuple]) -> dict[str, list[Any]]:
+    """Several runs on one set of `world` gloo ranks, one after the other in the same processes:
+    {name: (fn, *args)} -> {name: per-rank results}. A spawn costs about ten seconds of imports on CPU;
+    runs that need no fresh process of their own (a restore does) share one."""
+    per_rank = run_ranks(world, _in_turn, calls)
+    return {name: [per_rank[r][name] for r in range(world)] for name in calls}
