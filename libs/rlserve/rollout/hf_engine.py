@@ -69,6 +69,7 @@ class TransformersEngine(BatchEngine):
         self.generation = hf_generation.resolve(cfg.generation, self.device)
         self._continuous = (hf_generation.ContinuousBatching(cfg.max_num_seqs, cfg.max_model_len)
                             if self.generation == "continuous" else None)
+        self._static_thread = hf_generation.OneThread() if self.generation == "static" else None
         self._fallbacks_told: set[str] = set()
 
     @torch.inference_mode()
@@ -117,7 +118,10 @@ class TransformersEngine(BatchEngine):
         width = input_ids.shape[1]
         greedy = sampling.temperature == 0
         with moe_routing.capture(self.model) if sampling.routed_experts else contextlib.nullcontext() as calls:
-            out = self._generate(input_ids, attention, greedy, sampling, stop_ids, static)
+            if static:
+                out = self._static_thread.run(self._generate, input_ids, attention, greedy, sampling, stop_ids, True)
+            else:
+                out = self._generate(input_ids, attention, greedy, sampling, stop_ids, False)
         new_ids = out.sequences[:, width:]
         # Raw (temperature-1) logits of each step, as vLLM reports its logprobs, gathered one step at a
         # time: stacking every step's [rows, vocab] and taking log_softmax of the stack made two more
@@ -142,6 +146,7 @@ class TransformersEngine(BatchEngine):
                 for i, s in enumerate(samples)]
         return samples
 
+    @torch.inference_mode()  # also when the static path calls it on its own thread
     def _generate(self, input_ids: torch.Tensor, attention: torch.Tensor, greedy: bool, sampling: SamplingSpec,
                   stop_ids: set[int], static: bool):
         return self.model.generate(

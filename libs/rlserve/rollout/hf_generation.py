@@ -4,8 +4,9 @@
     continuous   transformers' continuous batching (the engine behind `transformers serve`): a paged KV cache,
                  requests joining and leaving the running batch, a prompt prefilled once for its `n` samples
                  (forked after the prefill), CUDA graphs where transformers turns them on (flash attention)
-    static       `generate` with a static KV cache; on a GPU transformers compiles its decode step
-                 (torch.compile, mode reduce-overhead: CUDA graphs)
+    static       `generate` with a static KV cache (prompt widths rounded up to 64); on a GPU transformers
+                 compiles its decode step (torch.compile, mode reduce-overhead: CUDA graphs), which runs on
+                 one thread of its own (`OneThread`)
     auto         continuous on CUDA, generate on the CPU
 
 Exactness. Every path reports what the engine always did: each sampled token's logprob under the model's own
@@ -30,7 +31,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -38,6 +41,7 @@ from torch import nn
 from rlserve.rollout.interfaces import SamplingSpec
 
 log = logging.getLogger("rlserve.rollout")
+T = TypeVar("T")
 
 GenerationMode = Literal["auto", "generate", "continuous", "static"]
 
@@ -80,6 +84,18 @@ def static_padded(input_ids: torch.Tensor, attention: torch.Tensor, pad: int) ->
     out), so that the compiled decode step meets few cache lengths."""
     extra = -input_ids.shape[1] % STATIC_WIDTH_MULTIPLE
     return (nn.functional.pad(input_ids, (extra, 0), value=pad), nn.functional.pad(attention, (extra, 0), value=0))
+
+
+class OneThread:
+    """Calls run on one thread of its own. The static path's compiled step replays CUDA graphs that torch.compile
+    records per thread (its cudagraph trees are thread-local), and the rollout replica calls the engine from a
+    pool of threads: on one thread they are recorded once, in one memory pool."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-generate")
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._pool.submit(fn, *args).result()
 
 
 def _raw_logprob_step(runner: Any) -> None:
