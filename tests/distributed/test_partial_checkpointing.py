@@ -60,3 +60,24 @@ def test_a_share_of_layers_checkpointed_trains_what_none_does():
         # A LoRA learner computes its reference logprobs with its adapters off, and says how long that took.
         assert ("perf/learner_reference_seconds" in keys) == lora
         assert "perf/learner_peak_allocated_gib" not in keys  # on a GPU only
+
+
+def test_runs_that_checkpoint_different_layers_still_share_their_frozen_base():
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from rlserve.learner.shared_base import SharedBases
+
+    def model(wrapped: bool) -> nn.Module:
+        torch.manual_seed(0)
+        layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        if wrapped:
+            layers[1] = checkpoint_wrapper(layers[1], preserve_rng_state=False)
+        for p in layers.parameters():
+            p.requires_grad_(False)
+        return nn.Sequential(*layers)
+
+    bases, first, second = SharedBases(), model(False), model(True)
+    bases.share(("base",), "run-1", first)
+    assert bases.share(("base",), "run-2", second) == 2 * (16 + 4) * 4  # both layers' weights and biases
+    assert second[1]._checkpoint_wrapped_module.weight is first[1].weight

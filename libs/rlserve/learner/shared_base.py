@@ -39,8 +39,9 @@ class SharedBases:
         for name, param in list(module.named_parameters()):
             if param.requires_grad:
                 continue
-            # An adapted layer's weight is its `base_layer`'s (peft), whatever other runs adapt.
-            canonical = name.replace(".base_layer.", ".")
+            # An adapted layer's weight is its `base_layer`'s (peft), whatever other runs adapt, and a layer's
+            # weights are the same whether this run checkpoints it or not (activation_checkpointing_fraction).
+            canonical = name.replace(".base_layer.", ".").replace("._checkpoint_wrapped_module", "")
             held = base.params.get(canonical)
             if held is None:
                 base.params[canonical] = param
