@@ -5,7 +5,9 @@ prompt), up to `--max-new-tokens` new tokens (random weights rarely stop early).
 same batch, in one process, one mode after another: a first call (which pays for any CUDA-graph capture,
 compilation or cache allocation: `first_s`), then `--repeats` timed calls; the table gives tokens a second
 and the median call's seconds and, for every mode, how far its sampled logprobs are from a teacher-forced
-forward pass of the same tokens (the importance-sampling correction needs them exact):
+forward pass of the same tokens (the importance-sampling correction needs them exact), and `peak_gib`, the
+process's peak of allocated GPU memory during the mode (the script's own copy of the model, which scores the
+samples and runs the transformers-only modes, included):
 
     engine-generate    rlserve's TransformersEngine, generation: generate (transformers `generate`, a dynamic cache)
     engine-continuous  the engine, generation: continuous (continuous batching, a paged cache; the engine's raw
@@ -197,18 +199,20 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(table(rows[-1:], list(rows[-1])), flush=True)
-    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "engine-generate" and "tokens_per_s" in r), None)
-    for r in rows:
-        if base and "tokens_per_s" in r:
-            r["vs_engine_generate"] = r["tokens_per_s"] / base
+        base = next((r["tokens_per_s"] for r in rows if r["mode"] == "engine-generate" and "tokens_per_s" in r), None)
+        for r in rows:
+            if base and "tokens_per_s" in r:
+                r["vs_engine_generate"] = r["tokens_per_s"] / base
+        # Written after every mode: a run cut short keeps what it measured.
+        path = record("generation_gpu", rows, {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": preset,
+            "dtype": args.dtype, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
+            "prompt_tokens": [args.min_prompt, args.max_prompt], "max_num_seqs": args.max_num_seqs,
+            "max_model_len": args.max_model_len, "repeats": args.repeats,
+            "transformers": __import__("transformers").__version__, "torch": torch.__version__})
     print(table(rows, ["mode", "first_s", "seconds", "tokens", "tokens_per_s", "max_abs_logprob_error",
                        "vs_engine_generate", "peak_gib", "error"]))
-    print(record("generation_gpu", rows, {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": preset,
-        "dtype": args.dtype, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
-        "prompt_tokens": [args.min_prompt, args.max_prompt], "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len, "repeats": args.repeats,
-        "transformers": __import__("transformers").__version__, "torch": torch.__version__}))
+    print(path)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,19 @@ def test_what_continuous_batching_cannot_sample_falls_back_to_generate_and_says_
     torch.testing.assert_close(sampled(out), teacher_forced(resolve_model("preset:tiny"), out), atol=1e-4, rtol=0)
 
 
+def test_prompt_logprobs_come_with_continuous_batchings_samples():
+    """Prompt logprobs (Tinker's sampling asks for them) are a forward pass of the model after the batch: the
+    manager has handed the model back with its own attention."""
+    eng = engine("continuous")
+    out = eng.generate(PROMPTS, 2, SamplingSpec(max_new_tokens=4, prompt_logprobs=0, top_logprobs=0, seed=1))
+    assert eng._continuous._manager is not None
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("preset:tiny"), dtype=torch.float32).eval()
+    for prompt, samples in zip(PROMPTS, out):
+        want = completion_logprobs(model, [prompt], [1])
+        for s in samples:
+            torch.testing.assert_close(torch.tensor(s.prompt_logprobs), want, atol=1e-4, rtol=0)
+
+
 def test_lora_adapters_fall_back_to_generate_exactly(tmp_path, caplog):
     eng = engine("continuous", enable_lora=True, max_lora_rank=16)
     folder = random_adapter(tmp_path / "adapter", 1)

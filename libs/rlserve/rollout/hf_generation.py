@@ -74,7 +74,7 @@ def unsupported(path: str, sampling: SamplingSpec, lora: bool) -> str:
             return "stop strings are asked for"
         if sampling.min_new_tokens:
             return "min_new_tokens is set"
-        if getattr(sampling, "top_logprobs", 0):
+        if sampling.top_logprobs:
             return "top logprobs are asked for"
     return ""
 
