@@ -3,7 +3,9 @@
     generate     transformers `generate` with a dynamic KV cache: every feature, one padded batch
     continuous   transformers' continuous batching (the engine behind `transformers serve`): a paged KV cache,
                  requests joining and leaving the running batch, a prompt prefilled once for its `n` samples
-                 (forked after the prefill), CUDA graphs where transformers turns them on (flash attention)
+                 (forked after the prefill), CUDA graphs where transformers turns them on (flash attention).
+                 Without flash attention (`sdpa`) a step attends over all its requests' tokens at once through
+                 a block-diagonal mask: a decode step of R requests of L tokens costs R x R x L, not R x L
     static       `generate` with a static KV cache (prompt widths rounded up to 64); on a GPU transformers
                  compiles its decode step (torch.compile, mode reduce-overhead: CUDA graphs), which runs on
                  one thread of its own (`OneThread`)
@@ -18,8 +20,9 @@ its model runner's step (`_raw_logprob_step`): the same forward pass, logits pro
 
 Weights. A weight update copies into the parameters in place (`load_from_checkpoint`, the same-device handoff),
 so the persistent manager, which holds the engine's model object, and any CUDA graph it captured (which reads the
-parameters' storage) see the new weights; a model that is replaced (a base reloaded) gets a new manager. The
-paged cache's prefix blocks are forgotten before every call: no key/value computed by older weights is reused.
+parameters' storage) see the new weights, as does the static path's compiled step (parameters are its inputs,
+not constants); a model that is replaced (a base reloaded) gets a new manager. The paged cache's prefix blocks
+are forgotten before every call: no key/value computed by older weights is reused.
 
 What the fast paths leave to `generate` (the engine logs why, once per reason): LoRA adapters (peft's layers
 change the model's modules under a captured graph), MoE routing capture (its hooks record one padded batch) and,
