@@ -71,6 +71,8 @@ class TransformersEngine(BatchEngine):
                             if self.generation == "continuous" else None)
         self._static_thread = hf_generation.OneThread() if self.generation == "static" else None
         self._fallbacks_told: set[str] = set()
+        log.info("rollout: the transformers engine generates with %s (generation: %s, on %s)", self.generation,
+                 cfg.generation, self.device)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
@@ -302,7 +304,7 @@ class TransformersEngine(BatchEngine):
 
     def info(self) -> EngineInfo:
         return EngineInfo("transformers", str(self.cfg.model_path), self.cfg.max_model_len,
-                          self.model.config.vocab_size, self.cfg.dtype)
+                          self.model.config.vocab_size, self.cfg.dtype, extra={"generation": self.generation})
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
