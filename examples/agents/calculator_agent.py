@@ -63,15 +63,22 @@ def play(client: OpenAI, model: str, max_calls: int = 3) -> bool:
         return True
     agent = client.with_options(base_url=ep["base_url"])
     messages = list(ep["messages"])
+    message = None
     for _ in range(max_calls):
-        message = agent.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0].message
+        try:
+            message = agent.chat.completions.create(model=model, messages=messages, tools=TOOLS).choices[0].message
+        except BadRequestError as err:
+            if err.code == "context_length_exceeded":
+                break  # the conversation outgrew the run's context: the episode ends unanswered
+            print(f"agent: {err.message}")  # the run has ended, or refuses this episode
+            return False
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             break
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
                              "content": calculate(str(arguments(call).get("expression", "")))})
-    reward = float((message.content or "").strip() == ep["answer"])
+    reward = float(message is not None and not message.tool_calls and (message.content or "").strip() == ep["answer"])
     client.post(f"/episodes/{ep['episode_id']}/reward", cast_to=object, body={"reward": reward})
     return True
 

@@ -48,6 +48,12 @@ def permission_denied(field: str, problem: str) -> RpcError:
     return RpcError(grpc.StatusCode.PERMISSION_DENIED, f"{field}: {problem}")
 
 
+def out_of_range(field: str, problem: str) -> RpcError:
+    """A well-formed value past a limit the caller cannot change (a conversation longer than the run's
+    context), as against INVALID_ARGUMENT's malformed one: a client may handle it by ending what it does."""
+    return RpcError(grpc.StatusCode.OUT_OF_RANGE, f"{field}: {problem}")
+
+
 def not_found(what: str) -> RpcError:
     return RpcError(grpc.StatusCode.NOT_FOUND, what)
 

@@ -91,10 +91,11 @@ class OpenAiApi:
         scheme, _, token = header.partition(" ")
         return (token.strip() or None) if scheme.lower() == "bearer" else None
 
-    def error(self, status: int, message: str, field: str | None = None) -> web.Response:
+    def error(self, status: int, message: str, field: str | None = None, code: str | None = None) -> web.Response:
         kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-        return web.json_response({"error": {"message": message, "type": kind, "param": field,
-                                            "code": "model_not_found" if field == "model" and status == 404 else None}},
+        if code is None and field == "model" and status == 404:
+            code = "model_not_found"
+        return web.json_response({"error": {"message": message, "type": kind, "param": field, "code": code}},
                                  status=status)
 
     def _rpc_error(self, err: RpcError) -> web.Response:
@@ -107,7 +108,9 @@ class OpenAiApi:
                               "model")
         if (named := _FIELD.match(message)) is not None:
             field, message = named.group(1), named.group(2)
-        return self.error(status, message, field)
+        # OpenAI's code for a conversation past the model's context, which agent loops handle by ending it.
+        code = "context_length_exceeded" if err.code == grpc.StatusCode.OUT_OF_RANGE else None
+        return self.error(status, message, field, code)
 
     async def _call(self, fn, req, request: web.Request):
         try:

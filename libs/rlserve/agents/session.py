@@ -46,7 +46,7 @@ from rlserve.agents.config import ExternalAgentArgs
 from rlserve.data.tasks import Example
 from rlserve.loop.inputs import RunInputs
 from rlserve.loop.services import RunServices
-from rlserve.rpc import RpcError, failed_precondition, invalid_argument, not_found, unavailable
+from rlserve.rpc import RpcError, failed_precondition, invalid_argument, not_found, out_of_range, unavailable
 from rlserve.trajectories.generation import sampling_params
 from rlserve.trajectories.single_turn import score
 from rlserve.trajectories.timings import BatchTimings
@@ -335,9 +335,9 @@ class AgentSession:
             prompt, continued = self._chat_prompt(ep, messages, keys, tools)
             field = "messages"
         if len(prompt) >= limit:
-            raise invalid_argument(field, f"the prompt takes {len(prompt)} tokens; run {self.inputs.run_id!r} "
-                                          f"takes at most {limit} tokens (policy.max_total_sequence_length), its "
-                                          f"completion included")
+            raise out_of_range(field, f"the prompt takes {len(prompt)} tokens; run {self.inputs.run_id!r} "
+                                     f"takes at most {limit} tokens (policy.max_total_sequence_length), its "
+                                     f"completion included")
         return prompt, continued, keys
 
     def _chat_prompt(self, ep: Episode, messages: list[msgs.Message], keys: tuple, tools: list[dict] | None

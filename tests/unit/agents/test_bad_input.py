@@ -71,6 +71,7 @@ def test_bad_input_is_refused_in_openais_shape_naming_the_field(endpoint):
                     {"role": "user", "content": "x", "colour": "red"}]})
                 await refused(400, "messages", "POST", chat, json={**body, "messages": [
                     {"role": "user", "content": "9" * 5000}]})
+                assert results[-1][2]["error"]["code"] == "context_length_exceeded"  # OpenAI's, for agent loops
                 await refused(400, "tools[0].type", "POST", chat, json={**body, "tools": [{"type": "retrieval"}]})
                 await refused(400, "tools[0].function.name", "POST", chat, json={**body, "tools": [
                     {"type": "function", "function": {"name": "no spaces"}}]})
