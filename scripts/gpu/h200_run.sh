@@ -3,7 +3,8 @@
 #   scripts/gpu/h200_run.sh BUNDLE OUT STAGE...
 # BUNDLE: a folder made by `deploy/bundle build`; OUT: where logs and results go.
 # Stages: install (the bundle into python3's environment; with --target /tmp/site if that fails),
-# check, demo (cluster_gpu_one + grpo_addition_gpu), 1b (cluster_gpu_one_1b + grpo_1b_gpu),
+# check, demo (cluster_gpu_one + grpo_addition_gpu), 1b (cluster_gpu_one_1b + grpo_1b_gpu; both print each
+# service's GPU memory against its declared gpu_memory_gib: scripts/gpu/cluster_memory.py),
 # 1b-megatron (the same on the megatron learner),
 # refit (the 1b workload through the weight store, then by the same-GPU handoff: compare_refit.py),
 # bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu),
@@ -14,8 +15,7 @@
 # cluster_gpu_one_1b, examples/grpo_1b_lora_gpu.yaml on cluster_gpu_one_1b_lora; prints step time, the
 # learner's time and peak, and each service's GPU memory against its declared gpu_memory_gib:
 # scripts/gpu/cluster_memory.py), lora-bare (the learner alone on the same batch: LoRA with 0, 1/16, 1/8 and
-# 1/4 of the layers checkpointed against full), memory (the demo's cluster, each service against its
-# declaration).
+# 1/4 of the layers checkpointed against full).
 # Each stage logs to OUT/<stage>.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -61,8 +61,10 @@ for stage in "$@"; do
       fi
       tail -3 "$out/install.log";;
     check) deploy/bundle check 2>&1 | tee "$out/check.log";;
-    demo) run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml demo;;
-    1b) run_cluster examples/cluster_gpu_one_1b.yaml examples/grpo_1b_gpu.yaml 1b;;
+    demo) run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml demo
+      python3 scripts/gpu/cluster_memory.py "$out" demo=examples/cluster_gpu_one.yaml | tee "$out/demo-memory.txt";;
+    1b) run_cluster examples/cluster_gpu_one_1b.yaml examples/grpo_1b_gpu.yaml 1b
+      python3 scripts/gpu/cluster_memory.py "$out" 1b=examples/cluster_gpu_one_1b.yaml | tee "$out/1b-memory.txt";;
     1b-megatron)
       python3 -c 'import sys, yaml; spec = yaml.safe_load(open("examples/grpo_1b_gpu.yaml")); spec["policy"]["megatron_cfg"] = {"enabled": True}; yaml.safe_dump(spec, open(sys.argv[1], "w"))' "$out/1b-megatron-spec.yaml"
       run_cluster examples/cluster_gpu_one_1b.yaml "$out/1b-megatron-spec.yaml" 1b-megatron;;
@@ -123,10 +125,6 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print(f"{r['run']:30} {line}")
 PY
       ;;
-    memory)  # the demo's cluster: each service's GPU memory against its declaration
-      run_cluster examples/cluster_gpu_one.yaml examples/grpo_addition_gpu.yaml memory-demo
-      python3 scripts/gpu/cluster_memory.py "$out" memory-demo=examples/cluster_gpu_one.yaml \
-          --out "$out/memory.json" | tee "$out/memory.txt";;
     *) echo "unknown stage $stage" >&2; exit 2;;
   esac
 done
