@@ -62,7 +62,8 @@ def test_async_auto_runs_sync_where_generation_and_training_share_cpu_cores(make
     settings = LoopSettings(weight_store="fake", watchdog_timeout_s=60, generation_shares_cpu_cores=shared)
     asyncio.run(run_to_end(run, FakeServices(generate_delay_s=0.01), settings))
     rows = run.recorder.read("metrics.jsonl")[1:]
-    assert run.step == 4 and max(r["batch/staleness_max"] for r in rows) == staleness
+    # Sync never trains a stale token; async may, within its bound (whether it does is the scheduler's timing).
+    assert run.step == 4 and max(r["batch/staleness_max"] for r in rows) <= staleness
     chosen = "sync, generation and training share the CPU cores" if shared else "async, max trajectory age 1"
     assert [ev.message for ev in run.events if ev.message.startswith("async_grpo.enabled auto")] == [
         f"async_grpo.enabled auto: {chosen}"]
