@@ -10,7 +10,8 @@ Per architecture of `tests/support/architectures.py` (tiny random models):
   parallel) matches one rank;
 - reference: the scorer's logprobs match transformers within 1e-4;
 - rollout: vLLM's sampled-token logprobs match transformers within 1e-4 on the base weights and,
-  after an in-place update to the learner's exported weights, on those.
+  after an in-place update to the learner's exported weights, on those (one engine per architecture);
+  the controls: vLLM's own reload leaves CPU MoE experts and a tied head stale, the rebuild path is right.
 Numbers are fp32. Measured maxima go to the JUnit report (`record_property`).
 """
 
@@ -39,7 +40,7 @@ from tests.support.architectures import (
     transformers_logits,
     transformers_logprobs,
 )
-from tests.support.dist import run_ranks
+from tests.support.dist import run_ranks, run_ranks_in_turn
 from tests.support.megatron_convert import megatron_to_hf
 from tests.support.megatron_cpu import megatron_world_size_1, model_parallel, spawn_workers  # noqa: F401 (fixture)
 
@@ -203,11 +204,20 @@ def test_gemma2_needs_eager_attention_and_final_softcapping(root, expected):
     assert max_diff(pick(uncapped), expected["gemma2"][:1]) > 1e-2
 
 
+TP2_NAMES = [n for n in NAMES if n != "mistral"]  # mistral's plan is llama's
+
+
+@pytest.fixture(scope="module")
+def dtensor_two_ranks(root) -> dict[bool, list]:
+    """Per rank, TP 2's runs without and with sequence parallelism, in one spawned pair, one after the other."""
+    return run_ranks_in_turn(2, {sp: (dtensor_runs, TP2_NAMES, root, 2, sp, False) for sp in (False, True)})
+
+
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_dtensor_tp2_matches_one_rank(sp, root, dtensor_one_rank, record_property):
+def test_dtensor_tp2_matches_one_rank(sp, dtensor_two_ranks, dtensor_one_rank, record_property):
     """Every architecture's TP plan (whole fused/MoE blocks, sandwich norms under SP) equals one rank."""
-    names = [n for n in NAMES if n != "mistral"]  # mistral's plan is llama's
-    results = run_ranks(2, dtensor_runs, names, root, 2, sp, False)
+    names = TP2_NAMES
+    results = dtensor_two_ranks[sp]
     for name in names:
         for rank in range(2):
             one, two = dtensor_one_rank[name], results[rank][name]
@@ -242,38 +252,57 @@ def _start(loop, name: str, **settings):
     return loop.run(start())
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_vllm_logprobs_before_and_after_in_place_update(name, root, loop, dtensor_one_rank, record_property):
+@pytest.fixture(scope="module")
+def vllm_engine(request, root, loop) -> Iterator:
+    """A vLLM engine started on the base weights of the architecture `request.param`, shared by that
+    architecture's tests (indirect parametrization by name: pytest runs them one after the other, one
+    engine start each; the in-place update, which needs the base weights, comes first)."""
+    engine = _start(loop, "vllm", model_path=architecture_dir(request.param, root))
+    yield engine
+    loop.run(engine.close())
+
+
+def _far_weights(name: str, root: str) -> Path:
+    """Another random model of `name`, far from the base (a stale part shows)."""
+    path = Path(root) / f"{name}-seed7"
+    return path if (path / "config.json").is_file() else make_architecture(name, path, seed=7)
+
+
+@pytest.mark.parametrize("vllm_engine", NAMES, indirect=True)
+def test_vllm_logprobs_before_and_after_in_place_update(vllm_engine, root, loop, dtensor_one_rank, record_property):
+    engine = vllm_engine
+    name = Path(engine.cfg.model_path).name
     base, stepped = architecture_dir(name, root), architecture_dir(f"{name}-step", root)
     prompts = [ids[:p + 4] for ids, p in sequences()]
-    engine = _start(loop, "vllm", model_path=base)
-    try:
-        assert engine.reload_mode == "in_place"
-        diff = _engine_error(loop, engine, base, prompts)
-        record_property("vllm_base_logprob_max_abs_diff", diff)
-        assert diff < ATOL
-        loop.run(engine.load_weights(list(load_file(str(stepped / "model.safetensors")).items()), 1, False))
-        diff = _engine_error(loop, engine, stepped, prompts)
-        record_property("vllm_reloaded_logprob_max_abs_diff", diff)
-        assert diff < ATOL
-        assert _engine_error(loop, engine, base, prompts) > 1e-3  # it serves the new weights, not the old
-    finally:
-        loop.run(engine.close())
+    assert engine.reload_mode == "in_place" and engine.version == 0
+    diff = _engine_error(loop, engine, base, prompts)
+    record_property("vllm_base_logprob_max_abs_diff", diff)
+    assert diff < ATOL
+    loop.run(engine.load_weights(list(load_file(str(stepped / "model.safetensors")).items()), 1, False))
+    diff = _engine_error(loop, engine, stepped, prompts)
+    record_property("vllm_reloaded_logprob_max_abs_diff", diff)
+    assert diff < ATOL
+    assert _engine_error(loop, engine, base, prompts) > 1e-3  # it serves the new weights, not the old
 
 
-@pytest.mark.parametrize("name", ["mixtral", "llama3-tied"])
-def test_vllm_plain_reload_is_stale_and_rebuild_is_right(name, root, loop):
-    """The controls: vLLM's own reload leaves CPU MoE experts / a tied head stale; the rebuild path is right."""
-    base = architecture_dir(name, root)
-    other = make_architecture(name, Path(root) / f"{name}-seed7", seed=7)  # far from base: stale shows
+@pytest.mark.parametrize("vllm_engine", ["mixtral", "llama3-tied"], indirect=True)
+def test_vllm_plain_reload_is_stale(vllm_engine, root, loop):
+    """The control: vLLM's own reload leaves CPU MoE experts / a tied head stale, where rlserve's in-place
+    update (the test above, on this same engine) is right."""
+    other = _far_weights(Path(vllm_engine.cfg.model_path).name, root)
     prompts = [ids[:p + 4] for ids, p in sequences()]
-    engine = _start(loop, "vllm", model_path=base)
-    try:
-        loop.run(engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other)}))
-        loop.run(engine.llm.reset_prefix_cache())
-        assert _engine_error(loop, engine, other, prompts) > 1e-2
-    finally:
-        loop.run(engine.close())
+    loop.run(vllm_engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(other)}))
+    loop.run(vllm_engine.llm.reset_prefix_cache())
+    assert _engine_error(loop, vllm_engine, other, prompts) > 1e-2
+
+
+def test_vllm_rebuild_is_right(root, loop):
+    """`weight_reload: rebuild`, which replaces the engine by one started on the new weights, serves them
+    right where vLLM's own reload leaves them stale (CPU MoE experts). One architecture: the rebuild is a
+    fresh start on a folder of the new weights, the same code for each, and every architecture's fresh
+    start is checked by its in-place test."""
+    base, other = architecture_dir("mixtral", root), _far_weights("mixtral", root)
+    prompts = [ids[:p + 4] for ids, p in sequences()]
     rebuilt = _start(loop, "vllm", model_path=base, weight_reload="rebuild")
     try:
         assert rebuilt.reload_mode == "rebuild" and rebuilt.transfer_backend is None

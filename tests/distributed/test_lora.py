@@ -14,7 +14,7 @@ import torch
 from rlserve.config import parse_spec
 from rlserve.models import resolve_model
 from tests.support.batches import completion_logprobs, random_grpo_batch, random_grpo_sequences
-from tests.support.dist import run_ranks
+from tests.support.dist import run_ranks, run_ranks_in_turn
 
 STEPS = 3
 RANK = 8
@@ -55,9 +55,33 @@ def train(rank: int, world: int, spec: dict, steps: int, save_to: str | None = N
 
 
 @pytest.fixture(scope="module")
-def reference_run():
-    (result,) = run_ranks(1, train, spec_dict(1), STEPS)
-    return result
+def saved(tmp_path_factory) -> Path:
+    """Where the shared spawns save: `ckpt` (a checkpoint, 1 rank), `snap1` and `snap2` (snapshots, 1 and 2
+    ranks), after 2 steps each, and `adapter` (the exported PEFT folder); fresh processes load them."""
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def runs(saved) -> dict[str, list]:
+    """Per-rank results of the module's runs that load nothing, those of one world size in one spawn
+    (`run_ranks_in_turn`): the reference (1 rank), FSDP and TP on 2, 4 uninterrupted steps on 1 and 2, the
+    runs that save after 2 steps, two runs on one base on 1 and 2, the adapters-only checks, the export."""
+    one, two = spec_dict(1), spec_dict(2)
+    out = run_ranks_in_turn(1, {
+        "reference": (train, one, STEPS), "uninterrupted": (train, one, 4),
+        "ckpt": (train, one, 2, str(saved / "ckpt")), "snap1": (train, one, 2, str(saved / "snap1"), None, True),
+        "sharing": (two_runs_on_one_base, one, STEPS), "adapters": (adapters_and_reference,),
+        "export": (export_and_restart, str(saved / "adapter"))})
+    out.update({f"{name}2": results for name, results in run_ranks_in_turn(2, {
+        "fsdp": (train, two, STEPS), "tp": (train, spec_dict(2, tp=2), STEPS), "uninterrupted": (train, two, 4),
+        "snap": (train, two, 2, str(saved / "snap2"), None, True), "sharing": (two_runs_on_one_base, two, STEPS),
+    }).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_run(runs):
+    return runs["reference"][0]
 
 
 def adapters_and_reference(rank, world):
@@ -89,9 +113,8 @@ def adapters_and_reference(rank, world):
 
 
 
-def test_only_the_adapters_train_and_the_reference_is_the_base():
-    (frozen_same, moved, n_adapters, optimizer_params, off_err, on_err, names, adapter, prefix), = \
-        run_ranks(1, adapters_and_reference)
+def test_only_the_adapters_train_and_the_reference_is_the_base(runs):
+    (frozen_same, moved, n_adapters, optimizer_params, off_err, on_err, names, adapter, prefix), = runs["adapters"]
     assert frozen_same and moved == n_adapters and optimizer_params == n_adapters
     assert off_err < 1e-4 < on_err  # adapters off: the base model; on: a different policy
     assert adapter["r"] == RANK and sorted(adapter["target_modules"]) == sorted(
@@ -100,8 +123,8 @@ def test_only_the_adapters_train_and_the_reference_is_the_base():
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
-def test_two_ranks_match_one(reference_run, layout):
-    results = run_ranks(2, train, spec_dict(2, tp=2 if layout == "tp2" else 1), STEPS)
+def test_two_ranks_match_one(runs, reference_run, layout):
+    results = runs[layout]
     losses, adapter, _ = results[0]
     assert losses == pytest.approx(reference_run[0], abs=2e-5)
     # Adam turns gradients near zero (every A at the first step, when B = 0) into full-size updates
@@ -110,32 +133,31 @@ def test_two_ranks_match_one(reference_run, layout):
         torch.testing.assert_close(adapter[name], tensor, atol=1e-4, rtol=1e-3, msg=name)
 
 
-def test_save_load_continue_is_bit_identical(tmp_path):
-    spec = spec_dict(1)
-    (full,) = run_ranks(1, train, spec, 4)
-    run_ranks(1, train, spec, 2, str(tmp_path / "ckpt"))
-    (resumed,) = run_ranks(1, train, spec, 2, None, str(tmp_path / "ckpt"))
-    assert resumed[2] == 4 and resumed[0] == full[0][2:]
+def test_save_load_continue_is_bit_identical(runs, saved):
+    """A checkpoint saved after 2 steps, loaded by a new process, continues as the uninterrupted run did."""
+    (full,) = runs["uninterrupted"]
+    (resumed,) = run_ranks(1, train, spec_dict(1), 2, None, str(saved / "ckpt"))
+    assert runs["ckpt"][0][2] == 2 and resumed[2] == 4 and resumed[0] == full[0][2:]
     for name, tensor in full[1].items():
         assert torch.equal(tensor, resumed[1][name]), name
     # The checkpoint holds adapters and their optimizer state, not the base.
-    size = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*") if f.is_file())
+    size = sum(f.stat().st_size for f in (saved / "ckpt").rglob("*") if f.is_file())
     model = sum(f.stat().st_size for f in resolve_model("preset:tiny").glob("*.safetensors"))
     assert size < model
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_snapshot_restores_into_new_workers_bit_identically(tmp_path, world):
+def test_a_snapshot_restores_into_new_workers_bit_identically(runs, saved, world):
     """What a learner healing a shared group does: new processes, the run configured again, its snapshot
     loaded (FSDP shards with 2 ranks), and training goes on as if nothing happened."""
-    spec = spec_dict(world)
-    full = run_ranks(world, train, spec, 4)[0]
-    run_ranks(world, train, spec, 2, str(tmp_path / "snap"), None, True)
-    resumed = run_ranks(world, train, spec, 2, None, str(tmp_path / "snap"), True)[0]
+    full = runs["uninterrupted" if world == 1 else "uninterrupted2"][0]
+    snap = saved / f"snap{world}"
+    resumed = run_ranks(world, train, spec_dict(world), 2, None, str(snap), True)[0]
+    assert runs[f"snap{world}"][0][2] == 2
     assert resumed[2] == 4 and resumed[0] == full[0][2:]
     for name, tensor in full[1].items():
         assert torch.equal(tensor, resumed[1][name]), name
-    assert sorted(f.name for f in (tmp_path / "snap").iterdir()) == sorted(
+    assert sorted(f.name for f in snap.iterdir()) == sorted(
         f"snapshot_rank{r}{end}" for r in range(world) for end in (".pt", ".float32.bin"))
 
 
@@ -157,15 +179,15 @@ def export_and_restart(rank, world, folder):
 
 
 
-def test_the_exported_adapter_loads_in_peft_and_merges(tmp_path):
-    learner, again = run_ranks(1, export_and_restart, str(tmp_path / "adapter"))[0]
+def test_the_exported_adapter_loads_in_peft_and_merges(runs, saved):
+    learner, again = runs["export"][0]
     torch.testing.assert_close(again, learner, atol=1e-6, rtol=0)  # a new session starts from the adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     seqs, prompts, *_ = random_grpo_sequences(9)
     base = AutoModelForCausalLM.from_pretrained(resolve_model("preset:tiny"), dtype=torch.float32)
-    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    peft_model = PeftModel.from_pretrained(base, saved / "adapter").eval()
     torch.testing.assert_close(completion_logprobs(peft_model, seqs, prompts), learner, atol=1e-4, rtol=0)
     merged = peft_model.merge_and_unload()
     torch.testing.assert_close(completion_logprobs(merged, seqs, prompts), learner, atol=1e-4, rtol=0)
@@ -199,10 +221,10 @@ def two_runs_on_one_base(rank: int, world: int, spec: dict, steps: int):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_runs_sharing_a_base_train_as_if_alone(reference_run, world):
+def test_runs_sharing_a_base_train_as_if_alone(runs, reference_run, world):
     """The frozen base is held once (B's frozen parameters are A's, outside FSDP: whole on each rank) and
     stays as it was; A trains as it does alone although B trains between its steps."""
-    results = run_ranks(world, two_runs_on_one_base, spec_dict(world), STEPS)
+    results = runs["sharing" if world == 1 else "sharing2"]
     losses, adapter, shared, shared_bytes, unchanged, runs_left = results[0]
     assert shared and shared_bytes > 0 and unchanged and runs_left == {"b"}
     assert losses == pytest.approx(reference_run[0], abs=2e-5)
