@@ -135,6 +135,52 @@ class RewardPolicyCfg(BaseModel):
     allowed_models: list[str] = []
 
 
+class RayCfg(BaseModel):
+    """Ray's and Serve's own background work, set for a small cluster that is idle most of the time.
+
+    With Ray's and Serve's defaults an idle default cluster took 14-20% of one core, every process polling on
+    a clock (`scripts/bench/idle_cluster.py`). Each key is one documented setting, named beside it with Ray's
+    or Serve's default; each reaches every process of the cluster (head, nodes, replicas, actors)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # `ray start --include-log-monitor` (Ray: true): a process that reads every worker's log files ten times a
+    # second to send their new lines to drivers. rlserve's drivers take no worker logs (`log_to_driver: false`):
+    # they stay in the session's log files either way.
+    log_monitor: bool = False
+    # RAY_SERVE_CONTROL_LOOP_INTERVAL_S (Serve: 0.1, doc/source/serve/advanced-guides/performance.md): the pause
+    # between the Serve controller's reconciliation loops, each of which also asks the GCS for the nodes.
+    # A deploy's steps (a replica started, found ready, running) each wait for the next loop.
+    serve_control_loop_interval_s: float = Field(0.5, gt=0, le=10)
+    # RAY_SERVE_METRICS_EXPORT_INTERVAL_MS (Serve: 100): how often each replica and each handle hands the
+    # request metrics it counted to Ray's metrics (a task that wakes this often whether or not any request
+    # came). 0: each request's metrics at once, no task.
+    serve_metrics_export_interval_ms: int = Field(10_000, ge=0)
+    # RAY_metrics_report_interval_ms (Ray: 10000, src/ray/common/ray_config_def.h): how often every Ray process
+    # exports its metrics to the node's dashboard agent. Nothing in rlserve reads them; Prometheus scraping
+    # the agent sees them this much later.
+    metrics_report_interval_ms: int = Field(60_000, ge=1000)
+    # REPORTER_UPDATE_INTERVAL_MS (Ray: 5000, dashboard/modules/reporter/reporter_consts.py): how often the
+    # node's dashboard agent reads every process's CPU and memory (psutil) for the dashboard's node view and
+    # the node metrics.
+    dashboard_agent_report_interval_ms: int = Field(60_000, ge=1000)
+    # RAY_num_workers_soft_limit (Ray: -1, as many as the node's CPUs; ray_config_def.h): idle worker processes
+    # the node keeps for tasks to come. rlserve runs actors only (replicas, learner workers, the weight store),
+    # each in a process of its own, so an idle one only polls; 0: each is stopped a second after it went idle.
+    num_workers_soft_limit: int = Field(0, ge=-1)
+    # Any other Ray setting for every process of the cluster, e.g. {RAY_event_stats: "0"} (`RAY_<name>` for
+    # the names in Ray's ray_config_def.h, and the RAY_SERVE_* variables of Serve's constants).
+    env: dict[str, str] = {}
+
+    def env_vars(self) -> dict[str, str]:
+        """The environment variables these settings are, for the head, the nodes and every worker."""
+        return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": str(self.serve_control_loop_interval_s),
+                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": str(self.serve_metrics_export_interval_ms),
+                "RAY_metrics_report_interval_ms": str(self.metrics_report_interval_ms),
+                "REPORTER_UPDATE_INTERVAL_MS": str(self.dashboard_agent_report_interval_ms),
+                "RAY_num_workers_soft_limit": str(self.num_workers_soft_limit), **self.env}
+
+
 class ClusterFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -152,6 +198,8 @@ class ClusterFile(BaseModel):
     http_port: int | None = Field(9001, gt=0, lt=65536)
     # Ray dashboard on `host` (None: no dashboard).
     dashboard_port: int | None = Field(None, gt=0, lt=65536)
+    # Ray's and Serve's own intervals and background processes (`RayCfg`), set for an idle small cluster.
+    ray: RayCfg = RayCfg()
     # Logical CPUs of the local head (fractional replicas share real cores); None: all cores.
     num_cpus: int | None = Field(None, ge=1)
     # GPUs the local head offers (replicas ask for fractions of them with `num_gpus`); None: Ray counts

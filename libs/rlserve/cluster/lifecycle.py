@@ -94,7 +94,9 @@ class Cluster:
                # Ray starts every worker at niceness 15, under its raylet and GCS; rlserve ranks its own:
                # the control plane's replicas at 0 beside Ray's daemons, the compute services' below
                # them (`services.<name>.nice`, rlserve.cpu_affinity).
-               "RAY_worker_niceness": "0"}
+               "RAY_worker_niceness": "0",
+               # Ray's and Serve's own intervals for a small cluster (the cluster file's `ray`).
+               **self.cfg.ray.env_vars()}
         if self.cfg.loopback and not self.cfg.address:
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         if not self.cfg.address:
@@ -177,7 +179,8 @@ def start_head(cluster: Cluster) -> None:
     # unpacked offline bundle, `pip install --target`) has no such script.
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={cfg.ray_port}",
            f"--ray-client-server-port={cfg.ray_port + 1}", f"--dashboard-agent-listen-port={cfg.ray_port + 2}",
-           f"--object-store-memory={cfg.object_store_memory_mb * 2**20}", "--disable-usage-stats"]
+           f"--object-store-memory={cfg.object_store_memory_mb * 2**20}", "--disable-usage-stats",
+           f"--include-log-monitor={str(cfg.ray.log_monitor).lower()}"]
     if cfg.num_cpus:
         cmd.append(f"--num-cpus={cfg.num_cpus}")
     if cfg.num_gpus is not None:
@@ -210,6 +213,7 @@ def start_node(cluster: Cluster, index: int) -> None:
            f"--node-ip-address={cfg.host}",
            f"--num-cpus={node.num_cpus}", f"--resources={json.dumps(resources)}",
            f"--object-store-memory={node.object_store_memory_mb * 2**20}", "--disable-usage-stats",
+           f"--include-log-monitor={str(cfg.ray.log_monitor).lower()}",
            # Ray's fixed default would collide with the head's (and other nodes') agent on one machine.
            f"--dashboard-agent-listen-port={cfg.ray_port + 10 + index}"]
     log = open(cluster.state_dir / f"ray-node-{node.name}.log", "ab")
