@@ -7,7 +7,8 @@ CPU (the tiny chat preset, rank 8):
 GPU (the lead's run; the 1b preset, LoRA rank 32):
     .venv/bin/python scripts/bench/tinker_overhead.py --model preset:1b --rank 32 --device cuda \
         --datums 8 --tokens 512 --sample-tokens 64 --iters 10
-Prints one JSON line: median seconds per call both ways and the overhead in percent.
+Prints one JSON line: median seconds per call both ways, and the median of each pair's difference (the
+overhead) in seconds and in percent of the direct call.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
     from rlserve.security.users import add_user
     from rlserve.tenancy.policy import CallerLimits
     from rlserve.tinker.api import TinkerApi
-    from rlserve.tinker.backends import EngineSampler, TableTrainer
+    from rlserve.tinker.calls import TinkerCalls
+    from rlserve.tinker.local import EngineSampler, LocalRuns, TableTrainer
     from rlserve.tinker.service import TinkerConfig, TinkerService
     from rlserve.training.primitives import AdamStep, Datum, DatumBatch
 
@@ -80,12 +82,13 @@ def main() -> None:
         async def start() -> None:
             table = SessionTable(InProcessWorkerGroup.starter(NoPublishing()))
             engine = TransformersEngine(EngineConfig(model_path=model, device=args.device, enable_lora=True))
-            cfg = TinkerConfig({"bench": args.model}, tmp / "ckpt", device=args.device,
-                               micro_batch_size=args.datums, max_datum_tokens=args.tokens + 8)
-            state["service"] = TinkerService(cfg, TableTrainer(table), EngineSampler(engine))
-            state["table"], state["engine"] = table, engine
+            cfg = TinkerConfig(bases={"bench": args.model}, train_micro_batch_size=args.datums,
+                               max_datum_tokens=args.tokens + 8)
+            state["service"] = TinkerService(cfg, tmp / "runs", TableTrainer(table), EngineSampler(engine),
+                                             LocalRuns())
+            state["table"] = table
             runner = await start_http(HttpConfig("127.0.0.1", 0, TokenStore(files, tmp / "users"), CallerLimits()),
-                                      [TinkerApi(state["service"])])
+                                      [TinkerApi(TinkerCalls(state["service"]))])
             state["port"] = runner.addresses[0][1]
 
         loop.run_until_complete(start())
@@ -105,38 +108,40 @@ def main() -> None:
     client = tinker.ServiceClient(base_url=f"http://127.0.0.1:{state['port']}", api_key=key)
     trainer = client.create_lora_training_client(base_model="bench", rank=args.rank).result()
     sampler = trainer.save_weights_and_get_sampling_client().result()
-    params = types.SamplingParams(max_tokens=args.sample_tokens, temperature=1.0, stop=[])
-
-    def timed(fn) -> list[float]:
-        fn()  # warm-up
-        out = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
-
-    api = {"forward_backward": timed(lambda: trainer.forward_backward(data, "cross_entropy").result()),
-           "optim_step": timed(lambda: trainer.optim_step(adam).result()),
-           "sample": timed(lambda: sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result())}
+    params = types.SamplingParams(max_tokens=args.sample_tokens, temperature=1.0, stop=[], seed=0)  # same length
 
     run_id = state["service"].models[trainer.model_id].run_id
     batch = DatumBatch([Datum(torch.tensor(r[:-1]), torch.tensor(r[1:]), {"weights": torch.ones(args.tokens)})
                         for r in rows], "cross_entropy", {})
-    table, engine = state["table"], state["engine"]
+    table = state["table"]
     on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result()  # noqa: E731
     folder = state["service"].samplers[sampler._sampling_session_id].adapter
-    direct = {"forward_backward": timed(lambda: on_loop(table.forward_primitive(run_id, batch, True))),
-              "optim_step": timed(lambda: on_loop(table.optim_step(run_id, AdamStep(1e-5)))),
-              "sample": timed(lambda: on_loop(state["service"].sampler.sample(
-                  folder, prompt, 1, SamplingSpec(max_new_tokens=args.sample_tokens))))}
+    calls = {
+        "forward_backward": (lambda: trainer.forward_backward(data, "cross_entropy").result(),
+                             lambda: on_loop(table.forward_primitive(run_id, batch, True))),
+        "optim_step": (lambda: trainer.optim_step(adam).result(),
+                       lambda: on_loop(table.optim_step(run_id, AdamStep(1e-5)))),
+        "sample": (lambda: sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result(),
+                   lambda: on_loop(state["service"].sampler.sample(
+                       run_id, 1.0, folder, prompt, 1, SamplingSpec(max_new_tokens=args.sample_tokens, seed=0))))}
+
+    def seconds(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
     result = {"model": args.model, "rank": args.rank, "device": args.device, "datums": args.datums,
-              "tokens": args.tokens}
-    for name in api:
-        a, d = statistics.median(api[name]), statistics.median(direct[name])
-        result[name] = {"api_s": round(a, 4), "direct_s": round(d, 4), "overhead_pct": round(100 * (a - d) / d, 1)}
+              "tokens": args.tokens, "sample_tokens": args.sample_tokens, "iters": args.iters}
+    for name, (api, direct) in calls.items():
+        api(), direct()  # warm-up
+        # Each iteration times both ways back to back, so a machine busy with other work weighs on both alike;
+        # the overhead is the median of the pairs' differences.
+        pairs = [(seconds(api), seconds(direct)) for _ in range(args.iters)]
+        a, d = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+        extra = statistics.median(p[0] - p[1] for p in pairs)
+        result[name] = {"api_s": round(a, 4), "direct_s": round(d, 4), "overhead_s": round(extra, 4),
+                        "overhead_pct": round(100 * extra / d, 1)}
     print(json.dumps(result))
-    del engine
     client.close("success").result()
 
 
