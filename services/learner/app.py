@@ -84,13 +84,20 @@ class Learner:
         """(the model folder, the PEFT adapter folder to start LoRA adapters from or None). `init_model_path`
         names an HF folder, or with LoRA an adapter folder (the run's SFT warm start) for the spec's base."""
         field = "init_model_path" if init_model_path else "spec_yaml: policy.model_name"
-        name = self.paths.model_name(field, init_model_path or spec.policy.model_name)
         init_adapter = None
-        if init_model_path and adapter.is_adapter_folder(Path(name)):
-            if not spec.policy.lora.enabled:
-                raise invalid_argument(field, f"{init_model_path[:200]} is a LoRA adapter; the run trains without LoRA")
-            init_adapter, field = Path(name), "spec_yaml: policy.model_name"
-            name = self.paths.model_name(field, spec.policy.model_name)
+        # An adapter folder holds no config.json, so it is told apart before the check for an HF folder (a
+        # Tinker model started from a saved state reaches the learner this way).
+        if init_model_path and not init_model_path.startswith("preset:"):
+            folder = self.paths.model(field, init_model_path)
+            if adapter.is_adapter_folder(folder):
+                if not spec.policy.lora.enabled:
+                    raise invalid_argument(field, f"{init_model_path[:200]} is a LoRA adapter; the run trains "
+                                                  f"without LoRA")
+                init_adapter, field, init_model_path = folder, "spec_yaml: policy.model_name", ""
+            elif not (folder / "config.json").is_file():
+                raise invalid_argument(field, f"{init_model_path[:200]!r} is neither an HF model folder (no "
+                                              f"config.json) nor a LoRA adapter folder (no {adapter.CONFIG_FILE})")
+        name = self.paths.model_name(field, init_model_path or spec.policy.model_name)
         try:
             return resolve_model(name, spec.policy.model_seed), init_adapter
         except ValueError as err:
