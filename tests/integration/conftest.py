@@ -4,7 +4,9 @@
 node bring up one of their own with `running_cluster` (other ports, its own runs directory), so they
 neither disturb the shared one nor depend on test order. Each is brought up with the same code as
 `deploy/serve up` (a Ray head bound to loopback, extra nodes if the file has any, the authenticating
-gateway, the services) and torn down at the end. Authentication is on, with the token files `up`
+gateway, the services) and torn down when done: the shared one after the last test that uses it, and the
+modules with clusters of their own run after the shared cluster's (an idle cluster takes a tenth of a
+2-core machine from every test beside it). Authentication is on, with the token files `up`
 creates; the clusters expose the internal services to the admin token, which the `channel` fixture
 carries (tests of the services call them directly). `CoordinatorClient` finds the user token the way
 `rlserve` does, from the record `up` wrote.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import collections
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,10 +147,50 @@ def running_cluster(cluster_yaml: Path, root: Path) -> Iterator[TestCluster]:
         down(cluster)
 
 
+# The shared cluster's teardown: run by `pytest_runtest_teardown` after the last test that uses it, or at the
+# session's end (closing it twice does nothing).
+_SHARED = ExitStack()
+_SHARED_LAST: list[str] = []  # the node id of the last test that uses the shared cluster
+
+
 @pytest.fixture(scope="session")
 def test_cluster(tmp_path_factory) -> TestCluster:
-    with running_cluster(HERE / "cluster.yaml", tmp_path_factory.mktemp("cluster")) as cluster:
-        yield cluster
+    with _SHARED:
+        yield _SHARED.enter_context(running_cluster(HERE / "cluster.yaml", tmp_path_factory.mktemp("cluster")))
+
+
+def _uses_shared(item: pytest.Item) -> bool:
+    return "test_cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Integration modules none of whose tests use the shared cluster (those that bring up their own) run after
+    the last module that does, so that the shared cluster is down by then."""
+    here = [i for i in items if HERE in i.path.parents]
+    if not here:
+        return
+    shared_modules = {i.path for i in here if _uses_shared(i)}
+    later = [i for i in here if i.path not in shared_modules]
+    if not later or not shared_modules:
+        return
+    last = max(k for k, i in enumerate(items) if i.path in shared_modules)
+    moved = set(map(id, later))
+    items[:] = ([i for i in items[:last + 1] if id(i) not in moved] + later
+                + [i for i in items[last + 1:] if id(i) not in moved])
+
+
+def pytest_collection_finish(session):
+    users = [i.nodeid for i in session.items if _uses_shared(i)]
+    _SHARED_LAST[:] = users[-1:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The shared cluster goes down after the last test that uses it (its module's fixtures are gone by then)."""
+    result = yield
+    if _SHARED_LAST and item.nodeid == _SHARED_LAST[0]:
+        _SHARED.close()
+    return result
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Faults of the cluster itself, on a cluster of this module's own (`fault_cluster.yaml`: a head and a
-second Ray node on loopback that runs the rollout replicas): the whole cluster stopped and started under
+second Ray node on loopback that runs the rollout replica): the whole cluster stopped and started under
 a running run, and the rollout node lost mid-run."""
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def test_cluster_restart_mid_run_resumes_by_itself(fault_cluster):
 
 
 def test_losing_the_rollout_node_mid_run_loses_nothing(fault_cluster):
-    """The node running both rollout replicas dies (SIGKILL of its raylet and workers) at step 2; a
-    replacement joins 10 s later; the replicas are rescheduled there, load the newest published weights,
+    """The node running the rollout (its one replica) dies (SIGKILL of its raylet and workers) at step 2; a
+    replacement joins 10 s later; the replica is rescheduled there, loads the newest published weights,
     and the run finishes with every trajectory trained or dropped for a training reason."""
     with CoordinatorClient(fault_cluster.endpoint) as client:
         run = client.submit(spec(grpo__max_num_steps=6, grpo__val_period=0, checkpointing__enabled=False))
@@ -102,7 +102,7 @@ def test_losing_the_rollout_node_mid_run_loses_nothing(fault_cluster):
         node_listeners = listeners_of(fault_cluster.cluster.state_dir / "node-rollout-node.pid")
         time.sleep(0 if node_listeners else 1)
     assert node_listeners and all(is_loopback(c.laddr.ip) for c in node_listeners), node_listeners
-    # Healthy again once both replicas run on the replacement (the second may still be starting).
+    # Healthy again once the replica runs on the replacement (it may still be starting).
     deadline = time.time() + 180
     while True:
         status = subprocess.run([str(REPO / "deploy" / "serve"), "status", str(fault_cluster.cluster_file)],
