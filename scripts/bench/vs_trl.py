@@ -12,14 +12,29 @@ colocated mode on one machine) and on one with vLLM's CPU engine and its direct 
 (`bench-envs/trl`: a venv that sees the project's packages through a .pth file and adds TRL and its
 own dependencies, never touching the project's lock), in-process transformers generation.
 
-Reported per system: train seconds (evaluation excluded), trajectories per second (generated, scored
-and given to the loss, 512 a step in both systems; rlserve also reports the share it trained on, after
-dropping groups without reward variance, which TRL trains at zero advantage), train
-seconds to held-out 0.7 (at the first validation at or above it, and interpolated between validations),
-held-out at 60; ratios to TRL; curves in one PNG.
+The systems alternate, `--runs` rounds of each (at least two): every round runs each rlserve system
+(each engine's cluster brought up for it and down after it) and TRL once, the first round rlserve then
+TRL, the next TRL then rlserve, and so on, so that a drift of the machine falls on both. While TRL runs,
+no process of rlserve's cluster is alive: the processes of each cluster are recorded while it is up, and
+before TRL starts and every half second while it runs the script checks (psutil) that none of them lives
+(it stops with an error if one does); Ray processes of other clusters on the machine, and the load
+average, are reported beside each TRL run, since the race is only fair on a machine with nothing else
+running.
 
-    .venv/bin/python scripts/bench/vs_trl.py [--steps 60] [--modes sync async stream] [--engines transformers vllm]
-        [--trl-version 1.16.0]
+Reported per run: train seconds (evaluation excluded), trajectories per second (generated, scored and
+given to the loss, 512 a step in both systems; rlserve also reports the share it trained on, after
+dropping groups without reward variance, which TRL trains at zero advantage), train seconds to held-out
+0.7 (at the first validation at or above it, and interpolated between validations), held-out at the end,
+and its ratio to the TRL run of the same round. Per system: the median, the lowest and the highest
+trajectories per second and their spread ((max - min) / median), and the lowest of its rounds' ratios to
+TRL. Then the step budget per phase against TRL's on the same batch (medians over the steps after the
+first two): generation, reward, the other scoring (rlserve: the reference's log-probabilities; TRL: the
+old policy's and the advantages), the rollouts' time on the step's path, forward and backward, the weight
+sync (rlserve only: TRL trains the model it generates with), and the rest (the optimizer, the trainer's or
+the coordinator's own work). Curves in one PNG.
+
+    .venv/bin/python scripts/bench/vs_trl.py [--steps 60] [--runs 2] [--modes sync async stream]
+        [--engines transformers vllm] [--trl-version 1.16.0]
 """
 
 from __future__ import annotations
@@ -29,9 +44,12 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -48,8 +66,16 @@ MODES = {
     "async": ("grpo_addition.yaml", {"grpo": {"async_grpo": {"enabled": True}}}),
     "stream": ("grpo_addition_in_flight.yaml", {}),
 }
-COLUMNS = ["system", "train_s", "trajectories_per_s", "vs_trl", "trained_share", "s_to_0.7", "s_to_0.7_interp",
-           "val_at_end"]
+COLUMNS = ["round", "system", "train_s", "trajectories_per_s", "vs_trl", "trained_share", "s_to_0.7",
+           "s_to_0.7_interp", "val_at_end"]
+SUMMARY_COLUMNS = ["system", "runs", "median_traj_per_s", "min_traj_per_s", "max_traj_per_s", "spread",
+                   "median_vs_trl", "min_vs_trl"]
+PHASE_COLUMNS = ["system", "step_s", "generate_s", "reward_s", "scoring_other_s", "rollouts_s", "train_s",
+                 "weight_sync_s", "optimizer_other_s"]
+# rlserve's step metrics for the phases of the budget (the rest of the step: the coordinator's own work).
+RLSERVE_PHASES = {"step_s": "timing/step_s", "generate_s": "timing/generate_s", "reward_s": "timing/reward_s",
+                  "scoring_other_s": "timing/reference_s", "rollouts_s": "timing/wait_for_rollouts_s",
+                  "train_s": "timing/train_s", "weight_sync_s": "timing/weight_sync_s"}
 
 
 def trl_python(version: str) -> Path:
@@ -93,9 +119,10 @@ def rlserve_points(events: list, per_step: int) -> list[dict]:
     return points
 
 
-def row(system: str, points: list[dict]) -> dict:
+def row(system: str, points: list[dict], round_: int = 0) -> dict:
     end = points[-1]
-    return {"system": system, "train_s": end["train_s"], "trajectories_per_s": end["trajectories"] / end["train_s"],
+    return {"round": round_, "system": system, "train_s": end["train_s"],
+            "trajectories_per_s": end["trajectories"] / end["train_s"],
             "trained_share": end.get("trained", end["trajectories"]) / end["trajectories"],
             "s_to_0.7": next((p["train_s"] for p in points if p["val_reward"] >= 0.7), math.nan),
             "s_to_0.7_interp": crossing(points, 0.7), "val_at_end": end["val_reward"]}
@@ -133,14 +160,125 @@ def trl_inputs(spec: dict, start: Path, steps: int) -> dict:
                 "clip": spec["loss_fn"]["ratio_clip_max"], "seed": g.seed, "threads": run_spec.cluster.torch_threads}}
 
 
+def rlserve_phases(events: list) -> list[dict]:
+    """Each step's seconds by phase, from its STEP event's metrics (the rest: the coordinator's own work)."""
+    from rlserve.v1 import coordinator_pb2 as pb
+
+    phases = []
+    for ev in events:
+        if ev.kind == pb.EVENT_KIND_STEP:
+            p = {name: ev.metrics.get(key, 0.0) for name, key in RLSERVE_PHASES.items()}
+            p["optimizer_other_s"] = p["step_s"] - p["rollouts_s"] - p["train_s"] - p["weight_sync_s"]
+            phases.append(p)
+    return phases
+
+
+def budget(system: str, phases: list[list[dict]]) -> dict:
+    """The medians per phase over every run's steps after its first two (engine warm-up)."""
+    steps = [p for run in phases for p in run[2:]] or [p for run in phases for p in run]
+    return {"system": system, **{k: statistics.median(p.get(k, 0.0) for p in steps) for k in PHASE_COLUMNS[1:]}}
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    out = []
+    for system in dict.fromkeys(r["system"] for r in rows):
+        rates = [r["trajectories_per_s"] for r in rows if r["system"] == system]
+        ratios = [r["vs_trl"] for r in rows if r["system"] == system]
+        med = statistics.median(rates)
+        out.append({"system": system, "runs": len(rates), "median_traj_per_s": med, "min_traj_per_s": min(rates),
+                    "max_traj_per_s": max(rates), "spread": (max(rates) - min(rates)) / med,
+                    "median_vs_trl": statistics.median(ratios), "min_vs_trl": min(ratios)})
+    return out
+
+
+def cluster_pids(cluster) -> dict[int, float]:  # noqa: ANN001 - a lifecycle.Cluster
+    """Every process of the running cluster's local head, by pid with its start time: its session (`ray
+    start` and all it spawned: GCS, raylet, agents, replicas, actors) and their descendants."""
+    import psutil
+
+    head = int((cluster.state_dir / "head.pid").read_text())
+    procs = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == head:
+                procs.append(p)
+                procs.extend(p.children(recursive=True))
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    found = {}
+    for p in procs:
+        try:
+            found[p.pid] = p.create_time()
+        except psutil.Error:
+            continue
+    return found
+
+
+def alive(pids: dict[int, float]) -> list[str]:
+    """The processes of `pids` still running (the same pid and start time), by pid and command line."""
+    import psutil
+
+    found = []
+    for pid, started in pids.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{pid} {' '.join(p.cmdline())[:80] or p.name()}")
+        except psutil.Error:
+            continue
+    return found
+
+
+def other_ray_processes() -> int:
+    """Ray processes on the machine (other clusters: other people's tests), for the fairness note."""
+    import psutil
+
+    count = 0
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["name"] in ("gcs_server", "raylet") or cmd.startswith("ray::"):
+            count += 1
+    return count
+
+
+class Guard:
+    """Checks every half second, while TRL runs, that none of rlserve's cluster processes is alive."""
+
+    def __init__(self, pids: dict[int, float]):
+        self.pids, self.found, self.load = pids, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            self.found += alive(self.pids)
+            self.load.append(os.getloadavg()[0])
+
+    def __enter__(self) -> Guard:
+        found = alive(self.pids)
+        if found:
+            raise SystemExit(f"rlserve's cluster is still alive before TRL's run: {found[:5]}")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.found:
+            raise SystemExit(f"rlserve's cluster processes lived while TRL ran: {sorted(set(self.found))[:5]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--runs", type=int, default=2, help="rounds; each runs every rlserve system and TRL once")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--engines", nargs="+", default=["transformers", "vllm"], choices=["transformers", "vllm"],
                         help="the rollout engine of each cluster, every mode on each")
     parser.add_argument("--trl-version", default="1.16.0")
     args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1 (2 or more for a spread)")
 
     import yaml
 
@@ -153,46 +291,83 @@ def main() -> None:
     models_dir = root / "models"
     models_dir.mkdir()
     start = models_dir / "start"
+    trl_system = f"TRL {args.trl_version}"
     curves: dict[str, list[dict]] = {}
-    for engine in args.engines:
-        data = default_cluster_data(engine)
-        data.update({"ray_port": 6787, "grpc_port": 9307, "runs_dir": str(root / "runs"), "model_dirs": [str(models_dir)]})
-        cluster_file = root / "cluster.yaml"
-        cluster_file.write_text(yaml.safe_dump(data))
-        cluster = Cluster(*load_cluster_file(cluster_file))
-        up(cluster)
-        try:
-            with CoordinatorClient(cluster.grpc_endpoint) as client:
-                if not start.exists():
-                    run_id, _ = watch(client, warm_start_spec("addition", root / "data"))
-                    shutil.copytree(root / "runs" / run_id / "sft_model", start)
-                for mode in args.modes:
-                    example, keys = MODES[mode]
-                    spec = merged(load_example(example), keys)
-                    spec.update({"name": f"vs-trl-{mode}", "sft": {"enabled": False}, "checkpointing": {"enabled": False}})
-                    spec["policy"]["model_name"] = str(start)
-                    spec["grpo"]["max_num_steps"] = args.steps
-                    system = f"rlserve {mode}, {engine}"
-                    per_step = spec["grpo"]["num_prompts_per_step"] * spec["grpo"]["num_generations_per_prompt"]
-                    curves[system] = rlserve_points(watch(client, spec)[1], per_step)
-                    print(table([row(system, curves[system])], COLUMNS), flush=True)
-        finally:
-            down(cluster)
-    spec = merged(load_example("grpo_addition.yaml"), {"policy": {"model_name": str(start)}})
-    (root / "trl.json").write_text(json.dumps(trl_inputs(spec, start, args.steps)))
-    subprocess.run([str(python), str(ROOT / "scripts" / "bench" / "trl_grpo.py"), "--data", str(root / "trl.json"),
-                    "--out", str(root / "trl_out.json")], check=True, env={**os.environ, "PYTHONPATH": ""})
-    curves[f"TRL {args.trl_version}"] = json.loads((root / "trl_out.json").read_text())["points"]
-    rows = [row(system, points) for system, points in curves.items()]
-    trl_rate = rows[-1]["trajectories_per_s"]
+    rows: list[dict] = []
+    phases: dict[str, list[list[dict]]] = {}
+    fairness: list[dict] = []
+    pids: dict[int, float] = {}
+
+    def run_rlserve(round_: int) -> None:
+        for engine in args.engines:
+            data = default_cluster_data(engine)
+            data.update({"ray_port": 6787, "grpc_port": 9307, "http_port": 9308, "runs_dir": str(root / "runs"),
+                         "model_dirs": [str(models_dir)]})
+            cluster_file = root / "cluster.yaml"
+            cluster_file.write_text(yaml.safe_dump(data))
+            cluster = Cluster(*load_cluster_file(cluster_file))
+            up(cluster)
+            try:
+                pids.update(cluster_pids(cluster))
+                with CoordinatorClient(cluster.grpc_endpoint) as client:
+                    if not start.exists():
+                        run_id, _ = watch(client, warm_start_spec("addition", root / "data"))
+                        shutil.copytree(root / "runs" / run_id / "sft_model", start)
+                    for mode in args.modes:
+                        example, keys = MODES[mode]
+                        spec = merged(load_example(example), keys)
+                        spec.update({"name": f"vs-trl-{mode}", "sft": {"enabled": False},
+                                     "checkpointing": {"enabled": False}})
+                        spec["policy"]["model_name"] = str(start)
+                        spec["grpo"]["max_num_steps"] = args.steps
+                        system = f"rlserve {mode}, {engine}"
+                        per_step = spec["grpo"]["num_prompts_per_step"] * spec["grpo"]["num_generations_per_prompt"]
+                        events = watch(client, spec)[1]
+                        curves[f"{system} #{round_}"] = points = rlserve_points(events, per_step)
+                        phases.setdefault(system, []).append(rlserve_phases(events))
+                        rows.append(row(system, points, round_))
+                        print(table([rows[-1]], COLUMNS), flush=True)
+                pids.update(cluster_pids(cluster))
+            finally:
+                down(cluster)
+
+    def run_trl(round_: int) -> None:
+        spec = merged(load_example("grpo_addition.yaml"), {"policy": {"model_name": str(start)}})
+        (root / "trl.json").write_text(json.dumps(trl_inputs(spec, start, args.steps)))
+        others = other_ray_processes()
+        with Guard(pids) as guard:
+            t0 = time.monotonic()
+            subprocess.run([str(python), str(ROOT / "scripts" / "bench" / "trl_grpo.py"), "--data",
+                            str(root / "trl.json"), "--out", str(root / "trl_out.json")], check=True,
+                           env={**os.environ, "PYTHONPATH": ""})
+        out = json.loads((root / "trl_out.json").read_text())
+        curves[f"{trl_system} #{round_}"] = out["points"]
+        phases.setdefault(trl_system, []).append(out["phases"])
+        rows.append(row(trl_system, out["points"], round_))
+        fairness.append({"round": round_, "wall_s": time.monotonic() - t0, "rlserve_processes_checked": len(pids),
+                         "rlserve_processes_alive": len(set(guard.found)),
+                         "other_ray_processes_at_start": others,
+                         "load_avg_1m_max": max(guard.load, default=os.getloadavg()[0])})
+        print(table([rows[-1]], COLUMNS), f"\nfairness: {fairness[-1]}", flush=True)
+
+    for round_ in range(args.runs):
+        for side in ([run_rlserve, run_trl] if round_ % 2 == 0 else [run_trl, run_rlserve]):
+            side(round_)
+    trl_rates = {r["round"]: r["trajectories_per_s"] for r in rows if r["system"] == trl_system}
     for r in rows:
-        r["vs_trl"] = r["trajectories_per_s"] / trl_rate
+        r["vs_trl"] = r["trajectories_per_s"] / trl_rates[r["round"]]
+    rows.sort(key=lambda r: (r["round"], r["system"] == trl_system))
+    sums = summary(rows)
+    budgets = [budget(system, runs) for system, runs in phases.items()]
     print(table(rows, COLUMNS))
+    print(table(sums, SUMMARY_COLUMNS))
+    print(table(budgets, PHASE_COLUMNS))
     RESULTS_DIR.mkdir(exist_ok=True)
     plot_curves({"demo task": curves}, [("train_s", "train seconds (evaluation excluded)"),
                                         ("trajectories", "trajectories generated")], RESULTS_DIR / "vs_trl.png", 0.7)
-    print("wrote", RESULTS_DIR / "vs_trl.png", record("vs_trl", rows, {"steps": args.steps, "curves": curves,
-                                                                    "trl_version": args.trl_version}))
+    print("wrote", RESULTS_DIR / "vs_trl.png", record("vs_trl", rows, {
+        "steps": args.steps, "runs": args.runs, "summary": sums, "step_budget": budgets, "fairness": fairness,
+        "curves": curves, "trl_version": args.trl_version}))
 
 
 if __name__ == "__main__":
