@@ -9,7 +9,9 @@
     static       `generate` with a static KV cache (prompt widths rounded up to 64); on a GPU transformers
                  compiles its decode step (torch.compile, mode reduce-overhead: CUDA graphs), which runs on
                  one thread of its own (`OneThread`)
-    auto         continuous on CUDA, generate on the CPU
+    auto         continuous on CUDA with flash attention installed, else generate: without it continuous batching's
+                 decode cost grows with the square of the running requests, and neither fast path has been
+                 measured against generate on a GPU yet (BENCHMARKS.md; scripts/bench/generation_gpu.py does)
 
 Exactness. Every path reports what the engine always did: each sampled token's logprob under the model's own
 temperature-1 distribution over the whole vocabulary (vLLM's raw logprobs, what the learner computes), whatever
@@ -58,9 +60,11 @@ STATIC_WIDTH_MULTIPLE = 64
 
 
 def resolve(mode: GenerationMode, device: torch.device) -> str:
-    """The path `mode` means on `device`: auto is continuous on CUDA, generate elsewhere."""
+    """The path `mode` means on `device`: auto is continuous on CUDA with flash attention, generate elsewhere."""
     if mode == "auto":
-        return "continuous" if device.type == "cuda" else "generate"
+        from transformers.utils import is_flash_attn_2_available
+
+        return "continuous" if device.type == "cuda" and is_flash_attn_2_available() else "generate"
     return mode
 
 
