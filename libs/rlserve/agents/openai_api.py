@@ -70,6 +70,7 @@ def _model(run: pb.Run) -> dict[str, Any]:
 class OpenAiApi:
     prefix = PREFIX
     max_request_bytes = MAX_REQUEST_BYTES
+    liveness_paths: frozenset[str] = frozenset()
 
     def __init__(self, backend: Backend):
         self.backend = backend

@@ -9,7 +9,7 @@ Before a handler runs, the listener has:
 - resolved the caller: the API reads its token from the request (`HttpApi.token`, e.g. `Authorization:
   Bearer`) and the token store turns it into a `Principal`; no valid token is 401 in the API's shape;
 - taken a slot of the caller's limits (`rlserve.tenancy.callers`): 429 when over, named like the gRPC
-  endpoint's RESOURCE_EXHAUSTED;
+  endpoint's RESOURCE_EXHAUSTED; a liveness route (`HttpApi.liveness_paths`) takes only a token of the rate;
 - bounded the body at the API's `max_request_bytes`, unread past it (413).
 A handler reaches the caller as `request[PRINCIPAL]`. An `RpcError` a handler raises becomes the HTTP
 status of its gRPC code with its message (INVALID_ARGUMENT 400, NOT_FOUND 404, ...); anything else is
@@ -58,6 +58,9 @@ class HttpApi(Protocol):
     prefix: str
     # The largest request body it takes.
     max_request_bytes: int
+    # Routes (relative to `prefix`) of the client's liveness: answered at once, they take no slot of the
+    # caller's calls in flight (only of its rate), so a client whose own calls fill its slots stays alive.
+    liveness_paths: frozenset[str]
 
     def routes(self) -> list[web.RouteDef]:
         """Its routes, relative to `prefix`; each handler finds the caller in `request[PRINCIPAL]`."""
@@ -100,8 +103,12 @@ def _guard(apis: list[HttpApi], tokens: TokenStore | None, limiter: Limiter
             return api.error(413, f"the request is {request.content_length} bytes; this endpoint takes at most "
                                   f"{api.max_request_bytes}")
         key = principal.name if tokens is not None else (request.remote or "")
+        beat = request.path[len(api.prefix):] in api.liveness_paths
         try:
-            limiter.admit(key, streaming=False, request_bytes=0, public=False)
+            if beat:
+                limiter.admit_beat(key)
+            else:
+                limiter.admit(key, streaming=False, request_bytes=0, public=False)
         except OverLimit as err:
             return api.error(429, err.message)
         request[PRINCIPAL] = principal
@@ -121,7 +128,8 @@ def _guard(apis: list[HttpApi], tokens: TokenStore | None, limiter: Limiter
                   error=f"{type(err).__name__}: {clean(str(err))[:300]}")
             return api.error(500, f"internal error ({type(err).__name__}); the gateway's log has the cause")
         finally:
-            limiter.release(key, streaming=False)
+            if not beat:
+                limiter.release(key, streaming=False)
 
     return guard
 

@@ -45,6 +45,15 @@ class Limiter:
         else:
             caller.in_flight += 1
 
+    def admit_beat(self, key: str) -> None:
+        """A call that takes no slot of `max_calls_in_flight`, only a token of the rate (OverLimit without one):
+        a client's liveness call, answered at once, which its own calls in flight must not starve."""
+        caller = self._callers.get(key)
+        if caller is None:
+            caller = self._callers[key] = _Caller(TokenBucket(self.limits.calls_per_s, self.limits.call_burst))
+        self.limits.check_call(False, caller.streams, 0, caller.calls.level())
+        caller.calls.take()
+
     def release(self, key: str, streaming: bool) -> None:
         caller = self._callers[key]
         if streaming:

@@ -59,6 +59,9 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "credential_default_source": "api_k
 class TinkerApi:
     prefix = "/api/v1"
     max_request_bytes = 64 * 2**20
+    # The SDK's heartbeat every 10 s: refused for `heartbeat_timeout_s` while its own futures' long polls fill
+    # the caller's calls in flight, the session would end under a busy client (the cookbook's rl driver).
+    liveness_paths = frozenset({"/session_heartbeat"})
 
     def __init__(self, backend: TinkerBackend):
         self.backend = backend

@@ -24,13 +24,15 @@ TOKEN, ADMIN = "user-token-" + "0" * 32, "admin-token-" + "1" * 32
 class Toy:
     prefix = "/toy"
     max_request_bytes = 1024
+    liveness_paths = frozenset({"/beat"})
 
     def __init__(self):
         self.release = asyncio.Event()
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/whoami", self.whoami), web.post("/echo", self.echo), web.get("/missing", self.missing),
-                web.get("/bad", self.bad), web.get("/broken", self.broken), web.get("/hold", self.hold)]
+                web.get("/bad", self.bad), web.get("/broken", self.broken), web.get("/hold", self.hold),
+                web.get("/beat", self.whoami)]
 
     def token(self, request: web.Request) -> str | None:
         return request.headers.get("X-Toy-Key")
@@ -102,6 +104,8 @@ def test_the_listener_resolves_limits_bounds_and_maps_errors_in_the_apis_shape(t
                 assert resp.status == 429 and "max_calls_in_flight" in (await resp.json())["toy_error"]["message"]
             async with http.get(f"{url}/whoami", headers={"X-Toy-Key": ADMIN}) as resp:
                 assert resp.status == 200 and await resp.json() == {"name": "admin"}
+            async with http.get(f"{url}/beat", headers=key) as resp:  # liveness takes no slot
+                assert resp.status == 200
             toy.release.set()
             for task in held:
                 (await task).release()
@@ -129,6 +133,29 @@ def test_without_authentication_every_caller_is_the_system_principal():
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://127.0.0.1:{port}/toy/whoami") as resp:
                 assert await resp.json() == {"name": "system"}
+        await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_liveness_route_takes_no_slot_but_counts_against_the_rate(tmp_path):
+    async def scenario():
+        toy = Toy()
+        runner = await start_http(HttpConfig("127.0.0.1", 0, token_store(tmp_path),
+                                             CallerLimits(max_calls_in_flight=1, calls_per_s=0.01, call_burst=3)),
+                                  [toy])
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/toy"
+        key = {"X-Toy-Key": TOKEN}
+        async with aiohttp.ClientSession() as http:
+            held = asyncio.create_task(http.get(f"{url}/hold", headers=key))
+            await asyncio.sleep(0.2)
+            statuses = []
+            for _ in range(3):
+                async with http.get(f"{url}/beat", headers=key) as resp:
+                    statuses.append((resp.status, (await resp.json()).get("toy_error", {}).get("message", "")))
+            assert [s for s, _ in statuses] == [200, 200, 429] and "calls_per_s" in statuses[2][1]
+            toy.release.set()
+            (await held).release()
         await runner.cleanup()
 
     asyncio.run(scenario())
