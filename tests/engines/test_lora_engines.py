@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,18 @@ def peft_logprobs(adapter: Path | None, prompts: list[list[int]], out, base: Pat
         model = PeftModel.from_pretrained(model, adapter).eval()
     seqs = [p + s.token_ids for p, ss in zip(prompts, out) for s in ss]
     return completion_logprobs(model, seqs, [len(p) for p, ss in zip(prompts, out) for _ in ss])
+
+
+def peft_prompt_logprobs(adapter: Path, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt token's teacher-forced logprob after the first, under the base with `adapter`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        resolve_model("preset:tiny"), dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        rows = [model(torch.tensor([p])).logits[0].log_softmax(-1) for p in prompts]
+    return torch.tensor([row[i - 1, p[i]].item() for p, row in zip(prompts, rows) for i in range(1, len(p))])
 
 
 @pytest.fixture(scope="module")
@@ -175,13 +188,20 @@ def test_runs_adapters_generate_side_by_side(lora_engine, loop, adapters, tmp_pa
         # batch with adapter requests (rlserve never mixes them: runs that share the base all have one).
         both = await asyncio.gather(eng.generate(PROMPTS, 2, SAMPLING, a), eng.generate(PROMPTS, 2, SAMPLING, b))
         both.append(await eng.generate(PROMPTS, 2, SAMPLING))
+        # Prompt logprobs under an adapter, n = 2, batched with another adapter's requests (vLLM's CPU build
+        # died on them before rlserve.rollout.vllm_lora_logits).
+        with_prompt, _ = await asyncio.gather(eng.generate(PROMPTS, 2, replace(SAMPLING, prompt_logprobs=1), a),
+                                              eng.generate(PROMPTS, 2, SAMPLING, b))
         await eng.drop_adapter(a.adapter_id)
         again = await eng.generate(PROMPTS, 2, SAMPLING, a)  # read again from its folder
         await eng.load_weights(list(load_file(other / "model.safetensors").items()), 1, False)
         after_full = await eng.generate(PROMPTS, 2, SAMPLING, b)  # the deployed base comes back first
-        return both, again, after_full
+        return both, with_prompt, again, after_full
 
-    (on_a, on_b, base), again, after_full = loop.run(run())
+    (on_a, on_b, base), with_prompt, again, after_full = loop.run(run())
+    got = torch.tensor([x for ss in with_prompt for x in ss[0].prompt_logprobs])
+    assert all(s.prompt_logprobs == ss[0].prompt_logprobs for ss in with_prompt for s in ss)
+    torch.testing.assert_close(got, peft_prompt_logprobs(adapters[0], PROMPTS), atol=1e-4, rtol=0)
     assert {r.version for ss in on_a for s in ss for r in s.version_runs} == {5}
     assert {r.version for ss in on_b for s in ss for r in s.version_runs} == {9}
     for what, out, adapter in [("a", on_a, adapters[0]), ("b", on_b, narrow), ("base", base, None),

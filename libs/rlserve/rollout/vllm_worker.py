@@ -5,7 +5,8 @@ there must arrive by import: naming this class as the engine's
 `worker_extension_cls` imports this module in every worker before the model
 loads, which registers the receiving side of the `gloo` weight-transfer engine
 with vLLM's factory (the worker creates its transfer engine right after
-loading the model), its loads made consistent by `vllm_reload`.
+loading the model), its loads made consistent by `vllm_reload`, and patches the CPU build's LoRA
+logits for prompt logprobs (`vllm_lora_logits`).
 
 The import also ties vLLM's processes to the rollout replica's life. The
 engine core is a child of the replica, the worker a child of the engine core,
@@ -25,7 +26,7 @@ import signal
 import threading
 import time
 
-from rlserve.rollout import vllm_reload
+from rlserve.rollout import vllm_lora_logits, vllm_reload
 from rlserve.weights import gloo_transfer
 
 REPLICA_POLL_S = 1.0
@@ -66,6 +67,7 @@ class GlooReceiver(gloo_transfer.GlooWeightTransferEngine):
 
 
 gloo_transfer.register_receiver(GlooReceiver)
+vllm_lora_logits.install()
 _die_with_replica()
 
 
