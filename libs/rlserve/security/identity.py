@@ -84,12 +84,21 @@ class TokenStore:
 
     def principal_of(self, token: str | None) -> Principal | None:
         """The principal `token` belongs to, or None. Every stored digest is compared; should two files hold
-        the same token, the higher role wins (then the earlier file)."""
+        the same token, the higher role wins (then the earlier file). A token no file held at the last look is
+        looked up again after a fresh look (a stat of each file): a key issued a moment ago works at once,
+        as a client given it expects, while a revoked one stops within `_RECHECK_S`."""
         if time.monotonic() - self._checked > _RECHECK_S:
             self.reload()
         if token is None:
             return None
         presented = digest(token)
+        found = self._lookup(presented)
+        if found is None:
+            self.reload()
+            found = self._lookup(presented)
+        return found
+
+    def _lookup(self, presented: bytes) -> Principal | None:
         best: Principal | None = None
         for src in self._sources:
             for stored, principal in src.entries:
