@@ -8,8 +8,6 @@ bad input is the SDK's user error naming the field, never a 500.
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from rlserve.clients.coordinator import CoordinatorClient
 from rlserve.clients.credentials import Credentials
 from rlserve.security.users import add_user
 from rlserve.v1 import coordinator_pb2 as pb
+from tests.support.tinker_training import train_at_once
 
 pytestmark = pytest.mark.integration
 
@@ -54,19 +53,7 @@ def test_two_users_train_and_sample_lora_models_through_the_official_sdk(test_cl
     a = ann.create_lora_training_client(base_model=BASE, rank=4).result()
     b = bob.create_lora_training_client(base_model=BASE, rank=16).result()
     assert (a.get_info().lora_rank, b.get_info().lora_rank) == (4, 16)
-    losses: dict[str, list[float]] = {"a": [], "b": []}
-
-    def train(name: str, trainer) -> None:
-        for _ in range(3):
-            fwd = trainer.forward_backward(DATA, "cross_entropy")
-            trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # 5e-2 overshot by step 3
-            losses[name].append(fwd.result().metrics["loss:sum"])
-
-    threads = [threading.Thread(target=train, args=(n, t)) for n, t in (("a", a), ("b", b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    losses = train_at_once({"a": a, "b": b}, DATA, learning_rate=1e-2)  # 5e-2 overshot by step 3
     assert all(len(v) == 3 and v[-1] < v[0] for v in losses.values()), losses
     lps = a.forward(DATA, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
 

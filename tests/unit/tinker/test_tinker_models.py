@@ -5,14 +5,13 @@ the same numbers); a sampler whose adapter the engine dropped loads it again."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import numpy as np
 import pytest
 import tinker
 from tinker import types
 
+from tests.support.tinker_training import train_at_once
 from tests.unit.tinker.conftest import BASE
 from tests.unit.tinker.test_sdk import DATA
 
@@ -25,19 +24,7 @@ def test_two_users_train_models_of_different_ranks_at_once_and_bad_input_disturb
     alice, bob = client(endpoint, "alice"), client(endpoint, "bob")
     a = alice.create_lora_training_client(base_model=BASE, rank=2).result()
     b = bob.create_lora_training_client(base_model=BASE, rank=16).result()
-    losses: dict[str, list[float]] = {"a": [], "b": []}
-
-    def train(name: str, trainer) -> None:
-        for _ in range(3):
-            fwd = trainer.forward_backward(DATA, "cross_entropy")
-            trainer.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-            losses[name].append(fwd.result().metrics["loss:sum"])
-
-    threads = [threading.Thread(target=train, args=(n, t)) for n, t in (("a", a), ("b", b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    losses = train_at_once({"a": a, "b": b}, DATA, learning_rate=5e-3, timeout_s=120)
     assert all(len(v) == 3 and v[-1] < v[0] for v in losses.values()), losses
     assert (a.get_info().lora_rank, b.get_info().lora_rank) == (2, 16)
 
