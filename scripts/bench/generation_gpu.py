@@ -204,7 +204,7 @@ def main() -> None:
             if base and "tokens_per_s" in r:
                 r["vs_engine_generate"] = r["tokens_per_s"] / base
         # Written after every mode: a run cut short keeps what it measured.
-        path = record("generation_gpu", rows, {
+        out_path = record("generation_gpu", rows, {
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": preset,
             "dtype": args.dtype, "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens,
             "prompt_tokens": [args.min_prompt, args.max_prompt], "max_num_seqs": args.max_num_seqs,
@@ -212,7 +212,7 @@ def main() -> None:
             "transformers": __import__("transformers").__version__, "torch": torch.__version__})
     print(table(rows, ["mode", "first_s", "seconds", "tokens", "tokens_per_s", "max_abs_logprob_error",
                        "vs_engine_generate", "peak_gib", "error"]))
-    print(path)
+    print(out_path)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 # service's GPU memory against its declared gpu_memory_gib: scripts/gpu/cluster_memory.py),
 # 1b-megatron (the same on the megatron learner),
 # refit (the 1b workload through the weight store, then by the same-GPU handoff: compare_refit.py),
+# generation (scripts/bench/generation_gpu.py: the transformers engine's generate, continuous and static paths
+# against a standalone generate_batch on one batch; then the 1b system with the fastest path, GEN_STEPS steps),
 # bare (the learner alone on the 1b step's batch shape), gputests (pytest tests/gpu),
 # soak (scripts/bench/soak.py on the machine's CPU cores; SOAK_ARGS adds to its arguments),
 # consistency (scripts/bench/consistency.py: generator-vs-learner logprobs, bf16 and fp32, dense and MoE,
@@ -65,6 +67,27 @@ for stage in "$@"; do
       python3 scripts/gpu/cluster_memory.py "$out" demo=examples/cluster_gpu_one.yaml | tee "$out/demo-memory.txt";;
     1b) run_cluster examples/cluster_gpu_one_1b.yaml examples/grpo_1b_gpu.yaml 1b
       python3 scripts/gpu/cluster_memory.py "$out" 1b=examples/cluster_gpu_one_1b.yaml | tee "$out/1b-memory.txt";;
+    generation)  # generation_gpu.py (the engine's modes and a standalone generate_batch on the same batch, in one
+                 # process), then the 1b system for GEN_STEPS (5) steps with the engine's fastest mode in the rollout args
+      PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} timeout "${GEN_TIMEOUT:-300}" python3 scripts/bench/generation_gpu.py \
+          --preset 1b --repeats 1 --max-num-seqs 128 \
+          --modes "${GEN_MODES:-engine-generate,engine-continuous,engine-static,cb}" > "$out/generation.log" 2>&1
+      cp bench-results/generation_gpu.json "$out/" 2>/dev/null; tail -12 "$out/generation.log"
+      python3 - "$out" "${GEN_STEPS:-5}" <<'PY'
+import json, sys, yaml
+out, steps = sys.argv[1], int(sys.argv[2])
+rows = [r for r in json.load(open(f"{out}/generation_gpu.json"))["rows"]
+        if r["mode"] in ("engine-generate", "engine-continuous", "engine-static") and "tokens_per_s" in r]
+best = max(rows, key=lambda r: r["tokens_per_s"])["mode"].removeprefix("engine-")
+print(f"the 1b system with generation: {best}")
+cfg = yaml.safe_load(open("examples/cluster_gpu_one_1b.yaml"))
+cfg["services"]["rollout"]["args"]["generation"] = best
+yaml.safe_dump(cfg, open(f"{out}/generation-cluster.yaml", "w"))
+spec = yaml.safe_load(open("examples/grpo_1b_gpu.yaml"))
+spec["grpo"]["max_num_steps"] = steps
+yaml.safe_dump(spec, open(f"{out}/generation-spec.yaml", "w"))
+PY
+      run_cluster "$out/generation-cluster.yaml" "$out/generation-spec.yaml" generation-1b;;
     1b-megatron)
       python3 -c 'import sys, yaml; spec = yaml.safe_load(open("examples/grpo_1b_gpu.yaml")); spec["policy"]["megatron_cfg"] = {"enabled": True}; yaml.safe_dump(spec, open(sys.argv[1], "w"))' "$out/1b-megatron-spec.yaml"
       run_cluster examples/cluster_gpu_one_1b.yaml "$out/1b-megatron-spec.yaml" 1b-megatron;;
