@@ -9,9 +9,11 @@
     static       `generate` with a static KV cache (prompt widths rounded up to 64); on a GPU transformers
                  compiles its decode step (torch.compile, mode reduce-overhead: CUDA graphs), which runs on
                  one thread of its own (`OneThread`)
-    auto         continuous on CUDA with flash attention installed, else generate: without it continuous batching's
-                 decode cost grows with the square of the running requests, and neither fast path has been
-                 measured against generate on a GPU yet (BENCHMARKS.md; scripts/bench/generation_gpu.py does)
+    auto         static on CUDA, generate on the CPU: on an H100 with the 1b preset and a GRPO step's batch (16
+                 prompts x 8 samples x 512 tokens) static ran at 2.03x generate's tokens/s, continuous batching
+                 (sdpa: no flash attention there) at 0.20x and transformers' own generate_batch at 0.51x
+                 (BENCHMARKS.md, "Generation paths on one H100"; scripts/bench/generation_gpu.py); on the CPU
+                 static compiles nothing and generate is as fast
 
 Exactness. Every path reports what the engine always did: each sampled token's logprob under the model's own
 temperature-1 distribution over the whole vocabulary (vLLM's raw logprobs, what the learner computes), whatever
@@ -60,11 +62,9 @@ STATIC_WIDTH_MULTIPLE = 64
 
 
 def resolve(mode: GenerationMode, device: torch.device) -> str:
-    """The path `mode` means on `device`: auto is continuous on CUDA with flash attention, generate elsewhere."""
+    """The path `mode` means on `device`: auto is static on CUDA, generate elsewhere."""
     if mode == "auto":
-        from transformers.utils import is_flash_attn_2_available
-
-        return "continuous" if device.type == "cuda" and is_flash_attn_2_available() else "generate"
+        return "static" if device.type == "cuda" else "generate"
     return mode
 
 
