@@ -9,8 +9,13 @@ these paths use on a GPU are measured by scripts/bench/generation_gpu.py.)"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +153,20 @@ def test_on_cuda_captured_graphs_and_the_compiled_step_see_an_in_place_update(ge
     torch.testing.assert_close(sampled(other), teacher_forced(other_model, other), atol=1e-3, rtol=0)
     if manager is not None:
         assert eng._continuous._manager is manager and manager.continuous_batching_config.use_cuda_graph == (True, True)
+
+
+def test_the_generation_benchmark_runs_every_engine_path_on_cpu(tmp_path):
+    """scripts/bench/generation_gpu.py's smoke run on the CPU (the tiny preset): every engine path generates the
+    batch with logprobs equal to the teacher-forced pass (a GPU's numbers come from the same script)."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "scripts/bench/generation_gpu.py"), "--prompts", "2", "--n", "2",
+                           "--max-new-tokens", "8", "--repeats", "1",
+                           "--modes", "engine-generate,engine-continuous,engine-static"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "RLSERVE_BENCH_RESULTS": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "generation_gpu.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["engine-generate", "engine-continuous", "engine-static"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["samples"] == 4 and row["tokens"] > 0 and row["max_abs_logprob_error"] < 1e-4, row
