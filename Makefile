@@ -6,9 +6,11 @@ PY := .venv/bin/python
 setup:
 	@scripts/setup.sh
 
-# The whole suite: unit, distributed (gloo), engines (vLLM CPU) and integration (one shared local Ray cluster).
+# The whole suite: unit, distributed (gloo), engines (vLLM CPU) and integration (one shared local Ray cluster),
+# on TEST_WORKERS pytest-xdist workers: the integration tests in order on one, every other module whole on any.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 # Without the shared Ray cluster.
 test-fast: setup

@@ -1,5 +1,6 @@
 """Shared test set-up: GPU tests are skipped without CUDA; generated models and client records go to
-per-session folders."""
+per-session folders; under pytest-xdist (`make test` runs two workers) every test that needs a Ray cluster runs
+on one worker, first, and every other module stays whole on one worker (its module fixtures start once)."""
 
 from __future__ import annotations
 
@@ -24,19 +25,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+            # The clusters of tests/integration share one set of ports and the machine's Ray session
+            # folder: one worker runs them all, in order.
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+    # The cluster group is the longest: first, so that the other worker works through the rest beside it
+    # (`make test` passes --no-loadscope-reorder, which keeps this order).
+    items.sort(key=lambda item: "/integration/" not in str(item.fspath))
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    """A failure's error, printed when it happens: a CI run cut off by its time limit never reaches pytest's
-    summary, and its log must still say why a test failed."""
-    report = yield
-    terminal = item.config.pluginmanager.get_plugin("terminalreporter")
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report):
+    """A failure's error, printed when it happens (also when an xdist worker reports it): a CI run cut off by
+    its time limit never reaches pytest's summary, and its log must still say why a test failed."""
+    terminal = _config.pluginmanager.get_plugin("terminalreporter") if _config is not None else None
     if report.failed and terminal is not None:
         terminal.write_line("")
         terminal.write_line(f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s):", red=True)
         for line in report.longreprtext.splitlines()[-25:]:
             terminal.write_line(f"    {line[:300]}")
-    return report
