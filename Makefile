@@ -10,7 +10,7 @@ setup:
 # on TEST_WORKERS pytest-xdist workers: the integration tests in order on one, every other module whole on any.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 # Without the shared Ray cluster.
 test-fast: setup

@@ -1,6 +1,6 @@
 """Shared test set-up: GPU tests are skipped without CUDA; generated models and client records go to
-per-session folders; under pytest-xdist (`make test` runs two workers) every test that needs a Ray cluster runs
-on one worker, first, and every other module stays whole on one worker (its module fixtures start once)."""
+per-session folders; under pytest-xdist (`make test` runs two workers, tests/support/xdist_schedule.py) every
+test that needs a Ray cluster runs on one worker, first, and every other module stays whole on one worker."""
 
 from __future__ import annotations
 
@@ -25,16 +25,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
-            # The clusters of tests/integration share one set of ports and the machine's Ray session
-            # folder: one worker runs them all, in order.
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
-    # The cluster group is the longest: first, so that the other worker works through the rest beside it
-    # (`make test` passes --no-loadscope-reorder, which keeps this order).
+    # The cluster tests are the longest unit of work: first, so that the other worker works through the rest
+    # beside them (`make test` passes --no-loadscope-reorder, which keeps this order).
     items.sort(key=lambda item: "/integration/" not in str(item.fspath))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadscope":
+        from tests.support.xdist_schedule import ClusterTestsTogether
+
+        return ClusterTestsTogether(config, log)
+    return None
 
 
 _config = None
