@@ -18,7 +18,8 @@
 # learner's time and peak, and each service's GPU memory against its declared gpu_memory_gib:
 # scripts/gpu/cluster_memory.py), lora-bare (the learner alone on the same batch: LoRA with 0, 1/16, 1/8 and
 # 1/4 of the layers checkpointed against full).
-# Each stage logs to OUT/<stage>.log.
+# Each stage logs to OUT/<stage>.log. Where the bundle is over the 64 MiB carry, carry scripts/gpu/pack_site.sh's
+# packed site instead (unpacked to /tmp/site) and skip the install stage.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bundle=$1 out=$2; shift 2
