@@ -142,7 +142,9 @@ def test_a_direct_update_lands_in_the_middle_of_a_long_generation(channel, learn
     wait_for_versions(stub, 0)
 
     train(learner, 1)
-    running = generating(stub, 32, [5, 6, 7, 8])
+    # 4 x 2 prompts x 96 samples x 110 tokens: a few seconds even on an idle machine (32 samples could end
+    # within the second that `generating` gives them to reach the engines).
+    running = generating(stub, 96, [5, 6, 7, 8])
     exported = export(learner, in_flight=True).get()
     assert exported.weight_version == 1 and exported.receivers == 2 and not exported.failed
     assert exported.direct_bytes == 2 * exported.num_bytes  # once to each replica, no copy through the store
