@@ -392,10 +392,15 @@ def _detach() -> None:
 def _kill_named_actors() -> None:
     """The actors that outlive their creators (the weight store, the fleet) end now: at SIGTERM a Ray
     worker waits for the call it runs, and theirs are long polls, so each would hold `down` for its
-    whole grace period. Nothing of theirs outlives the cluster anyway."""
+    whole grace period. Nothing of theirs outlives the cluster anyway. Only rlserve's namespace: a cluster
+    file's `address` may name a Ray cluster that runs others' actors too."""
     import ray
 
+    from rlserve.weights.store import STORE_NAMESPACE
+
     for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] != STORE_NAMESPACE:
+            continue
         try:
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
         except ValueError:  # ended meanwhile
