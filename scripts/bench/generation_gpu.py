@@ -13,6 +13,8 @@ samples and runs the transformers-only modes, included):
     engine-continuous  the engine, generation: continuous (continuous batching, a paged cache; the engine's raw
                        logprobs), sized as a rollout replica is (--max-num-seqs x --max-model-len tokens)
     engine-static      the engine, generation: static (a static cache; the decode step compiled on a GPU)
+    engine-compiled    the engine, generation: compiled (rlserve's own decode loop over a static cache; forward,
+                       logprob and draw in one step compiled into CUDA graphs on a GPU)
     engine-continuous-graphs   engine-continuous with CUDA graphs captured whatever the attention (transformers
                        turns them off by itself where attention needs a mask, that is without flash attention)
     cb                 transformers' `generate_batch` alone, as a user calls it (a paged cache sized from free

@@ -72,13 +72,13 @@ for stage in "$@"; do
                  # process), then the 1b system for GEN_STEPS (5) steps with the engine's fastest mode in the rollout args
       PYTHONPATH=libs:.${PYTHONPATH:+:$PYTHONPATH} timeout "${GEN_TIMEOUT:-300}" python3 scripts/bench/generation_gpu.py \
           --preset 1b --repeats 1 --max-num-seqs 128 \
-          --modes "${GEN_MODES:-engine-generate,engine-continuous,engine-static,cb}" > "$out/generation.log" 2>&1
+          --modes "${GEN_MODES:-engine-generate,engine-static,engine-compiled,engine-continuous,cb}" > "$out/generation.log" 2>&1
       cp bench-results/generation_gpu.json "$out/" 2>/dev/null; tail -12 "$out/generation.log"
       python3 - "$out" "${GEN_STEPS:-5}" <<'PY'
 import json, sys, yaml
 out, steps = sys.argv[1], int(sys.argv[2])
 rows = [r for r in json.load(open(f"{out}/generation_gpu.json"))["rows"]
-        if r["mode"] in ("engine-generate", "engine-continuous", "engine-static") and "tokens_per_s" in r]
+        if r["mode"] in ("engine-generate", "engine-continuous", "engine-static", "engine-compiled") and "tokens_per_s" in r]
 best = max(rows, key=lambda r: r["tokens_per_s"])["mode"].removeprefix("engine-")
 print(f"the 1b system with generation: {best}")
 cfg = yaml.safe_load(open("examples/cluster_gpu_one_1b.yaml"))

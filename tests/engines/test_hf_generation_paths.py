@@ -64,7 +64,7 @@ def test_auto_is_static_on_cuda_else_generate():
     assert resolve("static", torch.device("cpu")) == "static"
 
 
-@pytest.mark.parametrize("generation", ["continuous", "static"])
+@pytest.mark.parametrize("generation", ["continuous", "static", "compiled"])
 @pytest.mark.parametrize("sampling", [PLAIN, CUT], ids=["plain", "top-p-top-k"])
 def test_samples_are_exact_and_stop_as_generate_does(generation, sampling):
     eng = engine(generation)
@@ -136,7 +136,7 @@ def test_lora_adapters_fall_back_to_generate_exactly(tmp_path, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (GPU-only test)")
-@pytest.mark.parametrize("generation", ["continuous", "static"])
+@pytest.mark.parametrize("generation", ["continuous", "static", "compiled"])
 def test_on_cuda_captured_graphs_and_the_compiled_step_see_an_in_place_update(generation, other_model):
     """GPU-only: continuous batching with its CUDA graphs captured (forced on: without flash attention
     transformers would leave them off), and the static cache's compiled decode step, sample exactly before and
@@ -161,12 +161,12 @@ def test_the_generation_benchmark_runs_every_engine_path_on_cpu(tmp_path):
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, str(root / "scripts/bench/generation_gpu.py"), "--prompts", "2", "--n", "2",
                            "--max-new-tokens", "8", "--repeats", "1",
-                           "--modes", "engine-generate,engine-continuous,engine-static"],
+                           "--modes", "engine-generate,engine-continuous,engine-static,engine-compiled"],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "RLSERVE_BENCH_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "generation_gpu.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["engine-generate", "engine-continuous", "engine-static"]
+    assert [r["mode"] for r in rows] == ["engine-generate", "engine-continuous", "engine-static", "engine-compiled"]
     for row in rows:
         assert "error" not in row, row
         assert row["samples"] == 4 and row["tokens"] > 0 and row["max_abs_logprob_error"] < 1e-4, row

@@ -23,7 +23,7 @@ from rlserve.dtypes import torch_dtype
 from rlserve.models import generation, moe_routing
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint, to_checkpoint
-from rlserve.rollout import hf_generation
+from rlserve.rollout import hf_decode, hf_generation
 from rlserve.rollout.interfaces import (
     BatchEngine,
     EngineConfig,
@@ -69,7 +69,9 @@ class TransformersEngine(BatchEngine):
         self.generation = hf_generation.resolve(cfg.generation, self.device)
         self._continuous = (hf_generation.ContinuousBatching(cfg.max_num_seqs, cfg.max_model_len)
                             if self.generation == "continuous" else None)
-        self._static_thread = hf_generation.OneThread() if self.generation == "static" else None
+        self._static_thread = hf_generation.OneThread() if self.generation in ("static", "compiled") else None
+        self._decode = (hf_decode.StaticDecode(compile_step=self.device.type == "cuda")
+                        if self.generation == "compiled" else None)
         self._fallbacks_told: set[str] = set()
         log.info("rollout: the transformers engine generates with %s (generation: %s, on %s)", self.generation,
                  cfg.generation, self.device)
@@ -85,6 +87,8 @@ class TransformersEngine(BatchEngine):
         if path == "continuous":
             samples = [self._cut(ids, lps, stop_ids, ()) for ids, lps in
                        self._continuous.generate(self.model, prompts, n, sampling, stop_ids)]
+        elif path == "compiled":
+            samples = self._decoded([ids for ids in prompts for _ in range(n)], sampling, stop_ids)
         else:
             samples = self._padded([ids for ids in prompts for _ in range(n)], sampling, stop_ids, path == "static")
         grouped = [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
@@ -110,6 +114,12 @@ class TransformersEngine(BatchEngine):
             self._fallbacks_told.add(why)
             log.info("rollout: generation %s: %s, so generate serves such requests", self.generation, why)
         return "generate"
+
+    def _decoded(self, rows: list[list[int]], sampling: SamplingSpec, stop_ids: set[int]) -> list[GeneratedSample]:
+        """The rows through rlserve's own decode loop (`hf_decode`), on the thread its CUDA graphs belong to."""
+        input_ids, attention = hf_generation.static_padded(*generation.left_padded(rows, self.pad_id), self.pad_id)
+        ids, lps = self._static_thread.run(self._decode.generate, self.model, input_ids, attention, sampling, stop_ids)
+        return [self._cut(ids[i].tolist(), lps[i].tolist(), stop_ids, sampling.stop_strings) for i in range(len(rows))]
 
     def _padded(self, rows: list[list[int]], sampling: SamplingSpec, stop_ids: set[int], static: bool
                 ) -> list[GeneratedSample]:

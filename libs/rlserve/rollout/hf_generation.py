@@ -9,6 +9,9 @@
     static       `generate` with a static KV cache (prompt widths rounded up to 64); on a GPU transformers
                  compiles its decode step (torch.compile, mode reduce-overhead: CUDA graphs), which runs on
                  one thread of its own (`OneThread`)
+    compiled     rlserve's own decode loop over a static KV cache (`rlserve.rollout.hf_decode`): one step function
+                 (forward, raw logprob, draw) compiled into CUDA graphs on a GPU, no per-step host work beyond the
+                 graph replay; stop strings are cut after the loop
     auto         static on CUDA, generate on the CPU: on an H100 with the 1b preset and a GRPO step's batch (16
                  prompts x 8 samples x 512 tokens) static ran at 2.03x generate's tokens/s, continuous batching
                  (sdpa: no flash attention there) at 0.20x and transformers' own generate_batch at 0.51x
@@ -29,8 +32,9 @@ not constants); a model that is replaced (a base reloaded) gets a new manager. T
 are forgotten before every call: no key/value computed by older weights is reused.
 
 What the fast paths leave to `generate` (the engine logs why, once per reason): LoRA adapters (peft's layers
-change the model's modules under a captured graph), MoE routing capture (its hooks record one padded batch) and,
-for continuous batching, stop strings, min_new_tokens and top logprobs, which its sampler does not do.
+change the model's modules under a captured graph), MoE routing capture (its hooks record one padded batch),
+min_new_tokens and top logprobs for continuous batching and the compiled loop, and stop strings for continuous
+batching, whose samplers do not do them.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from rlserve.rollout.interfaces import SamplingSpec
 log = logging.getLogger("rlserve.rollout")
 T = TypeVar("T")
 
-GenerationMode = Literal["auto", "generate", "continuous", "static"]
+GenerationMode = Literal["auto", "generate", "continuous", "static", "compiled"]
 
 # The paged cache: pages of this many tokens (transformers' default), and at most this many tokens in one forward
 # pass. Without flash attention, continuous batching builds an attention mask of [batch tokens, cache tokens]: a
@@ -76,6 +80,11 @@ def unsupported(path: str, sampling: SamplingSpec, lora: bool) -> str:
         return "LoRA adapters are served"
     if sampling.routed_experts:
         return "MoE routing is recorded"
+    if path == "compiled":
+        if sampling.min_new_tokens:
+            return "min_new_tokens is set"
+        if sampling.top_logprobs:
+            return "top logprobs are asked for"
     if path == "continuous":
         if sampling.stop_strings:
             return "stop strings are asked for"
