@@ -58,8 +58,8 @@ def other_model(tmp_path_factory):
     return make_model(get_preset("tiny"), tmp_path_factory.mktemp("other") / "other", seed=99)
 
 
-def test_auto_is_static_on_cuda_else_generate():
-    assert resolve("auto", torch.device("cuda")) == "static"
+def test_auto_is_compiled_on_cuda_else_generate():
+    assert resolve("auto", torch.device("cuda")) == "compiled"
     assert resolve("auto", torch.device("cpu")) == "generate"
     assert resolve("static", torch.device("cpu")) == "static"
 

@@ -11,7 +11,8 @@ top-k, top-p; an exponential race, argmax(p / E) with E ~ Exp(1), which samples 
 On a GPU it is compiled (torch.compile, mode reduce-overhead: CUDA graphs), so a step is one graph replay and two
 small copies into the output buffers; the host reads the device only every STOP_CHECK_EVERY steps, to end when
 every row has stopped. The prefill runs eagerly. The cache is kept between calls of the same shape (reset, not
-reallocated), so the graphs recorded for it are replayed.
+reallocated), so the graphs recorded for it are replayed. The engine gives a model on this path attention that
+reads each key/value head once in a decode step (`grouped_decode_attention`).
 
 Weights copied into the parameters in place reach the graphs (parameters are graph inputs at fixed addresses).
 """

@@ -23,7 +23,7 @@ from rlserve.dtypes import torch_dtype
 from rlserve.models import generation, moe_routing
 from rlserve.models.architecture import load_causal_lm
 from rlserve.models.checkpoint_layout import load_from_checkpoint, to_checkpoint
-from rlserve.rollout import hf_decode, hf_generation
+from rlserve.rollout import grouped_decode_attention, hf_decode, hf_generation
 from rlserve.rollout.interfaces import (
     BatchEngine,
     EngineConfig,
@@ -55,8 +55,8 @@ class TransformersEngine(BatchEngine):
             torch.set_num_threads(cfg.torch_threads or len(os.sched_getaffinity(0)))
         if cfg.weight_transfer == "ipc":  # on a GPU by CUDA IPC, on the CPU through shared memory
             self.transfer_backend = handoff.BACKEND
-        self.model = load_causal_lm(cfg.model_path, torch_dtype(cfg.dtype)).to(self.device)
-        self.model.eval()
+        self.generation = hf_generation.resolve(cfg.generation, self.device)
+        self.model = self._load(cfg.model_path)
         self.routing_unavailable = "" if moe_routing.is_moe(self.model) else "the model has no MoE layers"
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.eos_ids = generation.eos_ids(self.model, self.tokenizer)
@@ -66,7 +66,6 @@ class TransformersEngine(BatchEngine):
         self._base: Path | None = Path(cfg.model_path).resolve()
         # Runs' adapters on the deployed base (`RunAdapter`): adapter id -> peft adapter name.
         self._run_adapters: dict[int, str] = {}
-        self.generation = hf_generation.resolve(cfg.generation, self.device)
         self._continuous = (hf_generation.ContinuousBatching(cfg.max_num_seqs, cfg.max_model_len)
                             if self.generation == "continuous" else None)
         self._static_thread = hf_generation.OneThread() if self.generation in ("static", "compiled") else None
@@ -75,6 +74,14 @@ class TransformersEngine(BatchEngine):
         self._fallbacks_told: set[str] = set()
         log.info("rollout: the transformers engine generates with %s (generation: %s, on %s)", self.generation,
                  cfg.generation, self.device)
+
+    def _load(self, path: str | Path) -> torch.nn.Module:
+        """The model at `path` on the engine's device, for inference; on the compiled path with sdpa attention, the
+        decode steps' attention reads each key/value head once (`grouped_decode_attention`)."""
+        model = load_causal_lm(path, torch_dtype(self.cfg.dtype)).to(self.device).eval()
+        if self.generation == "compiled" and model.config._attn_implementation == "sdpa":
+            model.set_attn_implementation(grouped_decode_attention.register())
+        return model
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
@@ -302,7 +309,7 @@ class TransformersEngine(BatchEngine):
         """The model in `base` (the deployed one, or a run's starting point), without adapters."""
         if self._continuous is not None:
             self._continuous.close()  # it holds the model being replaced
-        self.model = load_causal_lm(base, torch_dtype(self.cfg.dtype)).to(self.device).eval()
+        self.model = self._load(base)
         self._served_adapter, self._base, self._run_adapters = None, base.resolve(), {}
 
     @torch.no_grad()

@@ -12,11 +12,11 @@
     compiled     rlserve's own decode loop over a static KV cache (`rlserve.rollout.hf_decode`): one step function
                  (forward, raw logprob, draw) compiled into CUDA graphs on a GPU, no per-step host work beyond the
                  graph replay; stop strings are cut after the loop
-    auto         static on CUDA, generate on the CPU: on an H100 with the 1b preset and a GRPO step's batch (16
-                 prompts x 8 samples x 512 tokens) static ran at 2.03x generate's tokens/s, continuous batching
-                 (sdpa: no flash attention there) at 0.20x and transformers' own generate_batch at 0.51x
-                 (BENCHMARKS.md, "Generation paths on one H100"; scripts/bench/generation_gpu.py); on the CPU
-                 static compiles nothing and generate is as fast
+    auto         compiled on CUDA, generate on the CPU. On an H100 with the 1b preset and a GRPO step's batch (16
+                 prompts x 8 samples x 512 tokens), on one machine: compiled 13.0k tokens/s, static 9.3k, generate
+                 6.8k (BENCHMARKS.md, "rlserve's own decode loop on one H100"); earlier, continuous batching (sdpa:
+                 no flash attention there) ran at 0.20x generate and transformers' own generate_batch at 0.51x
+                 ("Generation paths on one H100"). On the CPU nothing is compiled and generate is as fast
 
 Exactness. Every path reports what the engine always did: each sampled token's logprob under the model's own
 temperature-1 distribution over the whole vocabulary (vLLM's raw logprobs, what the learner computes), whatever
@@ -66,9 +66,9 @@ STATIC_WIDTH_MULTIPLE = 64
 
 
 def resolve(mode: GenerationMode, device: torch.device) -> str:
-    """The path `mode` means on `device`: auto is static on CUDA, generate elsewhere."""
+    """The path `mode` means on `device`: auto is compiled on CUDA, generate elsewhere."""
     if mode == "auto":
-        return "static" if device.type == "cuda" else "generate"
+        return "compiled" if device.type == "cuda" else "generate"
     return mode
 
 

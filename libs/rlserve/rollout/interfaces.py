@@ -72,11 +72,11 @@ class EngineSettings(BaseModel):
     torch_threads: int = Field(0, ge=0, le=1024)
     # How the transformers engine generates (`rlserve.rollout.hf_generation`): "generate" (transformers
     # `generate`, a dynamic KV cache), "continuous" (continuous batching: a paged KV cache sized for
-    # max_num_seqs sequences of max_model_len tokens), "static" (a static KV cache, the decode step compiled on
-    # a GPU), "compiled" (rlserve's own decode loop over a static cache, its step compiled into CUDA graphs on
-    # a GPU), "auto" (static on CUDA, the fastest there: 2.03x generate on an H100; generate on the CPU). LoRA
-    # adapters, MoE routing capture and what a fast path cannot sample fall back to generate, with a log line.
-    # vLLM ignores it.
+    # max_num_seqs sequences of max_model_len tokens), "static" (`generate` with a static KV cache, its decode
+    # step compiled on a GPU), "compiled" (rlserve's own decode loop over a static cache, its step compiled
+    # into CUDA graphs on a GPU), "auto" (compiled on CUDA, the fastest there: 1.92x generate and 1.40x static
+    # on an H100; generate on the CPU). LoRA adapters, MoE routing capture and what a fast path cannot sample
+    # fall back to generate, with a log line. vLLM ignores it.
     generation: Literal["auto", "generate", "continuous", "static", "compiled"] = "auto"
     # LoRA runs: the deployed model is the base and each run's adapter is served on it (vLLM's
     # enable_lora, max_loras adapters at once, of rank at most max_lora_rank).

@@ -1,6 +1,8 @@
-"""The compiled decode loop's draw (`rlserve.rollout.hf_decode.draw`): the cut it samples from is transformers'
-own (temperature, then top-k, then top-p, as its warpers apply them), its exponential race samples that
-distribution's frequencies, and the logprob it reports is the raw distribution's, before any cut."""
+"""The compiled decode loop's parts. Its draw (`rlserve.rollout.hf_decode.draw`): the cut it samples from is
+transformers' own (temperature, then top-k, then top-p, as its warpers apply them), its exponential race samples
+that distribution's frequencies, and the logprob it reports is the raw distribution's, before any cut. Its decode
+attention (`grouped_decode_attention`): a decode step's grouped-query heads attend without copying keys and
+values, to the same result as transformers' sdpa attention, and every other call is sdpa's own."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from rlserve.rollout import grouped_decode_attention
 from rlserve.rollout.hf_decode import draw
 
 
@@ -49,3 +52,39 @@ def test_temperature_zero_is_greedy():
     tokens, logprobs = draw(x, 0.0, 5, 0.5)
     assert tokens[:, 0].tolist() == x.argmax(-1).tolist()
     torch.testing.assert_close(logprobs[:, 0], x.log_softmax(-1).max(-1).values)
+
+
+class Attention(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def test_decode_steps_attend_grouped_heads_without_copies_to_sdpas_result(monkeypatch):
+    import transformers.integrations.sdpa_attention as sdpa
+
+    g = torch.Generator().manual_seed(0)
+    rows, kv_heads, length, dim = 5, 2, 24, 8
+    query = torch.randn(rows, kv_heads * 3, 1, dim, generator=g)
+    key, value = (torch.randn(rows, kv_heads, length, dim, generator=g) for _ in range(2))
+    mask = torch.rand(rows, 1, 1, length, generator=g) > 0.3  # left padding and unwritten cache slots
+    mask[:, :, :, 0] = True
+    want, _ = sdpa.sdpa_attention_forward(Attention(), query, key, value, mask, scaling=dim ** -0.5)
+
+    def copying(*args, **kwargs):
+        raise AssertionError("a decode step went through repeat_kv")
+
+    monkeypatch.setattr(sdpa, "sdpa_attention_forward", copying)
+    got, _ = grouped_decode_attention.attention(Attention(), query, key, value, mask, scaling=dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_a_prefill_is_sdpas_own():
+    import transformers.integrations.sdpa_attention as sdpa
+
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 6, 7, 8, generator=g)
+    key, value = (torch.randn(2, 2, 7, 8, generator=g) for _ in range(2))
+    mask = torch.ones(7, 7, dtype=torch.bool).tril().expand(2, 1, 7, 7)
+    want, _ = sdpa.sdpa_attention_forward(Attention(), query, key, value, mask)
+    got, _ = grouped_decode_attention.attention(Attention(), query, key, value, mask)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
