@@ -39,13 +39,19 @@ def lora(**values) -> dict:
     return {"lora_cfg": {"enabled": True, "dim": 8, **values}}
 
 
-def served_adapters(channel, run_id: str) -> dict[str, int]:
-    """Replica id -> the version of `run_id`'s adapter it holds (replicas that hold none left out)."""
-    stub, held = rollout_pb2_grpc.RolloutStub(channel), {}
-    for _ in range(8):
+def served_adapters(channel, run_id: str, replicas: int = 2) -> dict[str, int]:
+    """Replica id -> the version of `run_id`'s adapter it holds (replicas that hold none left out), once every one
+    of the test cluster's `replicas` rollout replicas has answered: Serve routes each call to one of them, and
+    only the replica that took a run's last update holds its newest version (the other loads it on the run's
+    next request there)."""
+    stub, held, answered = rollout_pb2_grpc.RolloutStub(channel), {}, set()
+    for _ in range(200):
         info = stub.GetInfo(rollout_pb2.GetInfoRequest())
+        answered.add(info.replica_id)
         held.update({info.replica_id: a.version for a in info.adapters if a.run_id == run_id})
-    return held
+        if len(answered) == replicas:
+            return held
+    raise AssertionError(f"200 GetInfo calls reached only the replicas {sorted(answered)}")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +98,9 @@ def test_two_lora_runs_train_at_once_and_a_full_run_waits_for_them(client, chann
     """A third LoRA run beside them, whose reward plug-in raises on every item, fails alone; a fourth,
     cancelled after its first step, drops only its own samples in flight (its ledger balances, the
     others have no `cancelled` drops)."""
-    first = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=4), run_id="itest-lora-a")
+    # The first run is the longer, so that the second's steps fall among its steps even when the second starts
+    # seconds later (its adapter configured beside the first's, on a loaded machine: 5 s after, once).
+    first = client.submit(spec(policy__dtensor_cfg=lora(), grpo__max_num_steps=10), run_id="itest-lora-a")
     second = client.submit(spec(policy__dtensor_cfg=lora(dim=4, target_modules=["q_proj", "v_proj"],
                                                          match_all_linear=False), grpo__max_num_steps=4),
                            run_id="itest-lora-b")
