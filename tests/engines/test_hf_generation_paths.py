@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,26 @@ def test_samples_are_exact_and_stop_as_generate_does(generation, sampling):
     torch.testing.assert_close(sampled(out), teacher_forced(resolve_model("preset:tiny"), out), atol=1e-4, rtol=0)
     # The n samples of a prompt are drawn independently (forked after the prefill), not copies.
     assert all(len({tuple(s.token_ids) for s in ss}) > 1 for ss in out)
+
+
+def test_every_engine_of_a_process_runs_its_compiled_path_on_one_thread():
+    """torch 2.11's CUDA graph trees fail a compiled call from a thread other than the one that first compiled
+    (`hf_generation.on_generation_thread`): two engines' static and compiled paths share one thread, which is not
+    the caller's."""
+    threads = []
+
+    def recorded(fn):
+        def call(*args):
+            threads.append(threading.get_ident())
+            return fn(*args)
+        return call
+
+    compiled, static = engine("compiled"), engine("static")
+    compiled._decode.generate = recorded(compiled._decode.generate)
+    static._generate = recorded(static._generate)
+    for eng in (compiled, static, compiled):
+        eng.generate(PROMPTS, 2, PLAIN)
+    assert len(threads) == 3 and len(set(threads)) == 1 and threads[0] != threading.get_ident()
 
 
 def test_an_in_place_weight_update_reaches_the_kept_continuous_batching_manager(other_model):

@@ -81,6 +81,14 @@ class KeepGenerating:
             stream.get()
         return self.errors
 
+    def __enter__(self) -> KeepGenerating:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Stops the streams whatever the test did: left running after a failed assertion, they kept the shared
+        cluster's engines busy for the rest of the suite (and the tests after it failed on a loaded machine)."""
+        self.done.set()
+
 
 def replica_versions(stub, calls: int = 12) -> dict[str, tuple[str, int]]:
     seen = {}
@@ -182,31 +190,32 @@ def test_a_replica_killed_during_a_transfer_comes_back_on_the_newest_version(cha
     replicas = {a["name"]: ray.get_actor(a["name"], namespace="serve") for a in ray.util.list_named_actors(
         all_namespaces=True) if a["namespace"] == "serve" and "rollout" in a["name"]}
     train(learner, 2)
-    running = KeepGenerating(stub, streams=4, n=64)
-    exporting = export(learner, in_flight=False)
-    # The victim is a replica seen waiting at finish for a while: one busy with generations. A replica
-    # that Serve gave no request answers finish at once, and killing it then would kill it after the transfer.
-    deadline = time.time() + 120
-    waiting_since: dict[str, float] = {}
-    while True:
-        pending = ray.get(fleet.pending.remote())
-        now = time.time()
-        waiting_since = {m: waiting_since.get(m, now) for m, kinds in pending.items() if "finish" in kinds}
-        held = [m for m, since in waiting_since.items() if now - since >= 0.3]
-        if held:
-            break
-        if not exporting.is_alive():
-            exporting.get()  # its error, if it failed
-        assert now < deadline and exporting.is_alive(), f"the transfer never waited at finish: {pending}"
-        time.sleep(0.02)
-    victim = held[0]
-    killed_at = time.time()
-    ray.kill(next(actor for name, actor in replicas.items() if victim in name), no_restart=True)
+    with KeepGenerating(stub, streams=4, n=64) as running:
+        time.sleep(2.0)  # the generations reach the engines first (a transfer ahead of them met none running once)
+        exporting = export(learner, in_flight=False)
+        # The victim is a replica seen waiting at finish for a while: one busy with generations. A replica
+        # that Serve gave no request answers finish at once, and killing it then would kill it after the transfer.
+        deadline = time.time() + 120
+        waiting_since: dict[str, float] = {}
+        while True:
+            pending = ray.get(fleet.pending.remote())
+            now = time.time()
+            waiting_since = {m: waiting_since.get(m, now) for m, kinds in pending.items() if "finish" in kinds}
+            held = [m for m, since in waiting_since.items() if now - since >= 0.3]
+            if held:
+                break
+            if not exporting.is_alive():
+                exporting.get()  # its error, if it failed
+            assert now < deadline and exporting.is_alive(), f"the transfer never waited at finish: {pending}"
+            time.sleep(0.02)
+        victim = held[0]
+        killed_at = time.time()
+        ray.kill(next(actor for name, actor in replicas.items() if victim in name), no_restart=True)
 
-    exported = exporting.get()
-    assert exported.weight_version == 2 and exported.receivers == 2
-    assert any(victim in f for f in exported.failed), exported.failed
-    failed = running.stop()  # requests on the killed replica fail; the others complete
+        exported = exporting.get()
+        assert exported.weight_version == 2 and exported.receivers == 2
+        assert any(victim in f for f in exported.failed), exported.failed
+        failed = running.stop()  # requests on the killed replica fail; the others complete
     assert all(when >= killed_at for when, _ in failed), [err for when, err in failed if when < killed_at]
     versions = wait_for_versions(stub, 2)
     assert victim not in versions

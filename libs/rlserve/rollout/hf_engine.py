@@ -68,7 +68,6 @@ class TransformersEngine(BatchEngine):
         self._run_adapters: dict[int, str] = {}
         self._continuous = (hf_generation.ContinuousBatching(cfg.max_num_seqs, cfg.max_model_len)
                             if self.generation == "continuous" else None)
-        self._static_thread = hf_generation.OneThread() if self.generation in ("static", "compiled") else None
         self._decode = (hf_decode.StaticDecode(compile_step=self.device.type == "cuda")
                         if self.generation == "compiled" else None)
         self._fallbacks_told: set[str] = set()
@@ -125,7 +124,8 @@ class TransformersEngine(BatchEngine):
     def _decoded(self, rows: list[list[int]], sampling: SamplingSpec, stop_ids: set[int]) -> list[GeneratedSample]:
         """The rows through rlserve's own decode loop (`hf_decode`), on the thread its CUDA graphs belong to."""
         input_ids, attention = hf_generation.static_padded(*generation.left_padded(rows, self.pad_id), self.pad_id)
-        ids, lps = self._static_thread.run(self._decode.generate, self.model, input_ids, attention, sampling, stop_ids)
+        ids, lps = hf_generation.on_generation_thread(self._decode.generate, self.model, input_ids, attention,
+                                                      sampling, stop_ids)
         return [self._cut(ids[i].tolist(), lps[i].tolist(), stop_ids, sampling.stop_strings) for i in range(len(rows))]
 
     def _padded(self, rows: list[list[int]], sampling: SamplingSpec, stop_ids: set[int], static: bool
@@ -138,7 +138,8 @@ class TransformersEngine(BatchEngine):
         greedy = sampling.temperature == 0
         with moe_routing.capture(self.model) if sampling.routed_experts else contextlib.nullcontext() as calls:
             if static:
-                out = self._static_thread.run(self._generate, input_ids, attention, greedy, sampling, stop_ids, True)
+                out = hf_generation.on_generation_thread(self._generate, input_ids, attention, greedy, sampling,
+                                                         stop_ids, True)
             else:
                 out = self._generate(input_ids, attention, greedy, sampling, stop_ids, False)
         new_ids = out.sequences[:, width:]

@@ -8,7 +8,7 @@
                  a block-diagonal mask: a decode step of R requests of L tokens costs R x R x L, not R x L
     static       `generate` with a static KV cache (prompt widths rounded up to 64); on a GPU transformers
                  compiles its decode step (torch.compile, mode reduce-overhead: CUDA graphs), which runs on
-                 one thread of its own (`OneThread`)
+                 the process's one generation thread (`on_generation_thread`)
     compiled     rlserve's own decode loop over a static KV cache (`rlserve.rollout.hf_decode`): one step function
                  (forward, raw logprob, draw) compiled into CUDA graphs on a GPU, no per-step host work beyond the
                  graph replay; stop strings are cut after the loop
@@ -102,16 +102,18 @@ def static_padded(input_ids: torch.Tensor, attention: torch.Tensor, pad: int) ->
     return (nn.functional.pad(input_ids, (extra, 0), value=pad), nn.functional.pad(attention, (extra, 0), value=0))
 
 
-class OneThread:
-    """Calls run on one thread of its own. The static path's compiled step replays CUDA graphs that torch.compile
-    records per thread (its cudagraph trees are thread-local), and the rollout replica calls the engine from a
-    pool of threads: on one thread they are recorded once, in one memory pool."""
+# The one thread the compiled paths (static, compiled) run on, for every engine of the process. torch 2.11's
+# CUDA graph trees keep their state in thread-locals of the thread that first imported them, and a compiled call
+# from another thread fails a bare assertion (`get_obj` in torch/_inductor/cudagraph_trees.py; 2.13 sets the
+# state up per thread): a second engine on a thread of its own did, the third engine of one process in
+# scripts/bench/generation_gpu.py on an H100. The rollout replica calls the engine from a pool of threads; on one
+# thread the graphs are also recorded once, in one memory pool.
+_GENERATION_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-generate")
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlserve-generate")
 
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return self._pool.submit(fn, *args).result()
+def on_generation_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the process's one compiled-generation thread; returns its result."""
+    return _GENERATION_THREAD.submit(fn, *args).result()
 
 
 def _raw_logprob_step(runner: Any) -> None:
